@@ -50,3 +50,13 @@ class DraftSession(Protocol):
         ...
 
     def end_cycle(self) -> None: ...
+
+
+@runtime_checkable
+class SessionFactory(Protocol):
+    """Anything the engine can draft with: trained drafters, n-gram, random, the target itself."""
+
+    name: str
+
+    def new_session(self) -> DraftSession:  # one session per generation
+        ...
