@@ -65,7 +65,9 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)
     if layers is None:
-        raise TypeError(f"{type(model).__name__} has no .model.layers; capture supports Llama/Qwen3-style models.")
+        raise TypeError(
+            f"{type(model).__name__} has no .model.layers; capture supports Llama/Qwen3-style models."
+        )
     return layers
 
 
@@ -119,7 +121,9 @@ def capture(
     layers = sorted(set(int(i) for i in layers))
     bad = [i for i in layers if not 0 <= i < len(blocks)]
     if bad:
-        raise ValueError(f"layers {bad} out of range: the model has {len(blocks)} decoder layers (0..{len(blocks) - 1}).")
+        raise ValueError(
+            f"layers {bad} out of range: the model has {len(blocks)} decoder layers (0..{len(blocks) - 1})."
+        )
     rec = Captured()
     handles = []
     config = model.config
@@ -127,8 +131,11 @@ def capture(
     try:
         if hidden:
             for i in layers:
+
                 def hook(_mod, _inp, out, i=i):
-                    rec.hidden[i].append((out[0] if isinstance(out, tuple) else out).detach())  # [B, T, hidden]
+                    rec.hidden[i].append(
+                        (out[0] if isinstance(out, tuple) else out).detach()
+                    )  # [B, T, hidden]
 
                 handles.append(blocks[i].register_forward_hook(hook))
         if kv or queries:

@@ -8,7 +8,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvshot", description="KVShot: speculative decoding research suite.")
+    parser = argparse.ArgumentParser(
+        prog="kvshot", description="KVShot: speculative decoding research suite."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     from . import runner
 

@@ -28,8 +28,15 @@ from tqdm.auto import tqdm
 
 from . import assets
 
-ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
-            "bard": "assistant", "system": "system"}
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "system": "system",
+}
 DEFAULT_EVAL_SIZE = 500
 
 
@@ -109,7 +116,9 @@ def split_indices(n: int, split: str, seed: int, eval_size: int = DEFAULT_EVAL_S
 # ------------------------------------------------------------------------------------------- tokenizing
 
 
-def encode_conversation(tokenizer, messages: list[dict], max_len: int | None = None) -> tuple[list[int], list[bool]]:
+def encode_conversation(
+    tokenizer, messages: list[dict], max_len: int | None = None
+) -> tuple[list[int], list[bool]]:
     """Token ids of ``messages`` rendered with the tokenizer's chat template, and the assistant mask.
 
     Raises ``ValueError`` if a message's content does not appear verbatim in the rendering.
@@ -150,8 +159,14 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    blob = json.dumps([len(tokenizer), tokenizer.chat_template, tokenizer.eos_token,
-                       tokenizer.convert_ids_to_tokens(list(range(0, len(tokenizer), 997)))])
+    blob = json.dumps(
+        [
+            len(tokenizer),
+            tokenizer.chat_template,
+            tokenizer.eos_token,
+            tokenizer.convert_ids_to_tokens(list(range(0, len(tokenizer), 997))),
+        ]
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -191,8 +206,16 @@ def tokenize_sharegpt(
     for k, v in dict(n_conversations=n_conversations, max_len=max_len, offset=offset).items():
         if not isinstance(v, int) or v < (1 if k != "offset" else 0):
             raise ValueError(f"{k} must be a positive integer, got {v!r}.")
-    spec = dict(dataset="sharegpt_v3", split=split, n_conversations=n_conversations, max_len=max_len,
-                seed=seed, offset=offset, eval_size=eval_size, tokenizer=tokenizer_fingerprint(tokenizer))
+    spec = dict(
+        dataset="sharegpt_v3",
+        split=split,
+        n_conversations=n_conversations,
+        max_len=max_len,
+        seed=seed,
+        offset=offset,
+        eval_size=eval_size,
+        tokenizer=tokenizer_fingerprint(tokenizer),
+    )
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     path = assets.cache_dir() / "tokenized" / f"sharegpt-{key}.safetensors"
     if use_cache and path.is_file():
@@ -218,7 +241,9 @@ def tokenize_sharegpt(
             sources.append(cid)
             bar.update()
     if len(ids) < n_conversations:
-        raise ValueError(f"only {len(ids)} usable conversations in the {split!r} split, {n_conversations} requested.")
+        raise ValueError(
+            f"only {len(ids)} usable conversations in the {split!r} split, {n_conversations} requested."
+        )
     counts = {**{f"load_{k}": v for k, v in load_counts.items()}, **counts}
     out = TokenizedSplit(ids, masks, sources, spec, dict(counts))
     if use_cache:
@@ -229,9 +254,16 @@ def tokenize_sharegpt(
 def _save_split(path, split: TokenizedSplit) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     lengths = torch.tensor([len(x) for x in split.ids])
-    tensors = {"ids": torch.cat(split.ids).to(torch.int32), "loss_mask": torch.cat(split.loss_mask).to(torch.uint8),
-               "lengths": lengths}
-    meta = {"spec": json.dumps(split.spec), "counts": json.dumps(split.counts), "source_ids": json.dumps(split.source_ids)}
+    tensors = {
+        "ids": torch.cat(split.ids).to(torch.int32),
+        "loss_mask": torch.cat(split.loss_mask).to(torch.uint8),
+        "lengths": lengths,
+    }
+    meta = {
+        "spec": json.dumps(split.spec),
+        "counts": json.dumps(split.counts),
+        "source_ids": json.dumps(split.source_ids),
+    }
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata=meta)
     tmp.rename(path)
@@ -286,5 +318,33 @@ def mtbench_messages(question: MTBenchQuestion, turn: int = 0, first_answer: str
         return [{"role": "user", "content": question.turns[0]}]
     if first_answer is None:
         raise ValueError("turn 1 needs the model's own answer to turn 0 (first_answer).")
-    return [{"role": "user", "content": question.turns[0]}, {"role": "assistant", "content": first_answer},
-            {"role": "user", "content": question.turns[1]}]
+    return [
+        {"role": "user", "content": question.turns[0]},
+        {"role": "assistant", "content": first_answer},
+        {"role": "user", "content": question.turns[1]},
+    ]
+
+
+def conversation_table(split: TokenizedSplit):
+    """One row per conversation: source id, tokens, assistant tokens and number of responses."""
+    import pandas as pd
+
+    rows = []
+    for cid, ids, mask in zip(split.source_ids, split.ids, split.loss_mask):
+        starts = int((mask[1:] & ~mask[:-1]).sum()) + int(mask[0])
+        rows.append({"id": cid, "tokens": len(ids), "assistant_tokens": int(mask.sum()), "responses": starts})
+    return pd.DataFrame(rows)
+
+
+def render_masked(tokenizer, ids, mask, open_mark: str = "⟦", close_mark: str = "⟧") -> str:
+    """Decode ``ids`` with the assistant-masked (trained-on) spans wrapped in ``⟦ … ⟧``."""
+    ids, mask = list(map(int, ids)), list(map(bool, mask))
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and mask[j] == mask[i]:
+            j += 1
+        text = tokenizer.decode(ids[i:j])
+        out.append(f"{open_mark}{text}{close_mark}" if mask[i] else text)
+        i = j
+    return "".join(out)

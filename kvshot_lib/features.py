@@ -65,8 +65,10 @@ def _plan_shards(lengths: Sequence[int], shard_tokens: int) -> list[tuple[int, i
 
 
 def default_store_dir(target: Target, split: TokenizedSplit, hidden_layers, kv_layers, dtype: str) -> Path:
-    key = json.dumps([target.info.name, target.info.fingerprint, list(hidden_layers), list(kv_layers), dtype,
-                      split.spec], sort_keys=True)
+    key = json.dumps(
+        [target.info.name, target.info.fingerprint, list(hidden_layers), list(kv_layers), dtype, split.spec],
+        sort_keys=True,
+    )
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return assets.cache_dir() / "features" / f"{target.info.name.replace('/', '--')}-{digest}"
 
@@ -75,8 +77,10 @@ def _check_layers(layers: Sequence[int], n_layers: int, what: str) -> list[int]:
     layers = [int(x) for x in layers]
     bad = [x for x in layers if not 0 <= x < n_layers - 1]
     if bad or len(set(layers)) != len(layers):
-        raise ValueError(f"{what} layers {layers} are invalid: use distinct decoder layers in 0..{n_layers - 2} "
-                         f"(the last layer's output is post-norm and is stored as final_hidden).")
+        raise ValueError(
+            f"{what} layers {layers} are invalid: use distinct decoder layers in 0..{n_layers - 2} "
+            f"(the last layer's output is post-norm and is stored as final_hidden)."
+        )
     return layers
 
 
@@ -84,8 +88,9 @@ def _check_layers(layers: Sequence[int], n_layers: int, what: str) -> list[int]:
 def _extract_sequence(target: Target, ids: torch.Tensor, hidden_layers, kv_layers, dtype) -> dict:
     model = target.model
     dev = next(model.parameters()).device
-    with capture(model, sorted(set(hidden_layers) | set(kv_layers)), hidden=bool(hidden_layers),
-                 kv=bool(kv_layers)) as rec:
+    with capture(
+        model, sorted(set(hidden_layers) | set(kv_layers)), hidden=bool(hidden_layers), kv=bool(kv_layers)
+    ) as rec:
         out = model.model(input_ids=ids[None].to(dev), use_cache=False)
     final = out.last_hidden_state[0]  # [T, hidden], after the final norm
     feats = {"final_hidden": final.to(dtype).cpu()}
@@ -96,8 +101,10 @@ def _extract_sequence(target: Target, ids: torch.Tensor, hidden_layers, kv_layer
         feats[f"values.{layer}"] = rec.values_at(layer)[0].transpose(0, 1).to(dtype).cpu()
     for name, x in feats.items():
         if not torch.isfinite(x).all():
-            raise FloatingPointError(f"{name} overflows {dtype} (the target has activations beyond its range); "
-                                     "extract with dtype='bfloat16' or 'float32'.")
+            raise FloatingPointError(
+                f"{name} overflows {dtype} (the target has activations beyond its range); "
+                "extract with dtype='bfloat16' or 'float32'."
+            )
     return feats
 
 
@@ -126,20 +133,43 @@ def extract_features(
     lengths = [len(x) for x in split.ids]
     plan = _plan_shards(lengths, shard_tokens)
     manifest = dict(
-        format=FORMAT, target=info.name, target_fingerprint=info.fingerprint, hidden_layers=hidden_layers,
-        kv_layers=kv_layers, dtype=dtype, data=split.spec, hidden_size=info.hidden_size,
-        n_kv_heads=info.n_kv_heads, head_dim=info.head_dim, n_sequences=len(lengths), n_tokens=sum(lengths),
-        shard_plan=plan, shards=[], complete=False, extraction_seconds=0.0,
+        format=FORMAT,
+        target=info.name,
+        target_fingerprint=info.fingerprint,
+        hidden_layers=hidden_layers,
+        kv_layers=kv_layers,
+        dtype=dtype,
+        data=split.spec,
+        hidden_size=info.hidden_size,
+        n_kv_heads=info.n_kv_heads,
+        head_dim=info.head_dim,
+        n_sequences=len(lengths),
+        n_tokens=sum(lengths),
+        shard_plan=plan,
+        shards=[],
+        complete=False,
+        extraction_seconds=0.0,
     )
     done: list[dict] = []
     if (out / "manifest.json").is_file():
         old = json.loads((out / "manifest.json").read_text())
-        keys = ("format", "target", "target_fingerprint", "hidden_layers", "kv_layers", "dtype", "data", "shard_plan")
+        keys = (
+            "format",
+            "target",
+            "target_fingerprint",
+            "hidden_layers",
+            "kv_layers",
+            "dtype",
+            "data",
+            "shard_plan",
+        )
         diff = {k: (old.get(k), manifest[k]) for k in keys if old.get(k) != manifest[k]}
         if diff:
             lines = "\n".join(f"  {k}: on disk {a!r}, requested {b!r}" for k, (a, b) in diff.items())
-            raise FeatureStoreMismatch(f"The feature store at {out} was made for something else:\n{lines}\n"
-                                       "Choose another out_dir, or delete that folder to re-extract.")
+            raise FeatureStoreMismatch(
+                f"The feature store at {out} was made for something else:\n{lines}\n"
+                "Choose another out_dir, or delete that folder to re-extract."
+            )
         manifest["extraction_seconds"] = old.get("extraction_seconds", 0.0)
         for shard in old.get("shards", []):
             path = out / shard["file"]
@@ -152,8 +182,13 @@ def extract_features(
     finished = {s["index"] for s in done}
     todo = [i for i in range(len(plan)) if i not in finished]
     torch_dtype = _DTYPES[dtype]
-    bar = tqdm(total=manifest["n_tokens"], initial=sum(s["tokens"] for s in done), unit="tok",
-               desc=f"extracting features ({info.name})", smoothing=0.1)
+    bar = tqdm(
+        total=manifest["n_tokens"],
+        initial=sum(s["tokens"] for s in done),
+        unit="tok",
+        desc=f"extracting features ({info.name})",
+        smoothing=0.1,
+    )
     for i in todo:
         start, end = plan[i]
         t0 = time.perf_counter()
@@ -169,13 +204,23 @@ def extract_features(
         save_file(tensors, str(out / (name + ".tmp")))
         (out / (name + ".tmp")).rename(out / name)
         manifest["extraction_seconds"] += time.perf_counter() - t0
-        manifest["shards"].append(dict(index=i, file=name, sequences=[start, end], tokens=sum(lengths[start:end]),
-                                       bytes=(out / name).stat().st_size, sha256=_sha256(out / name)))
+        manifest["shards"].append(
+            dict(
+                index=i,
+                file=name,
+                sequences=[start, end],
+                tokens=sum(lengths[start:end]),
+                bytes=(out / name).stat().st_size,
+                sha256=_sha256(out / name),
+            )
+        )
         _write_manifest(out, manifest)
     bar.close()
     manifest["shards"].sort(key=lambda s: s["index"])
     manifest["complete"] = True
-    manifest["content_hash"] = hashlib.sha256("".join(s["sha256"] for s in manifest["shards"]).encode()).hexdigest()
+    manifest["content_hash"] = hashlib.sha256(
+        "".join(s["sha256"] for s in manifest["shards"]).encode()
+    ).hexdigest()
     manifest["bytes"] = sum(s["bytes"] for s in manifest["shards"])
     manifest["bytes_per_token"] = manifest["bytes"] / max(1, manifest["n_tokens"])
     _write_manifest(out, manifest)
@@ -198,19 +243,27 @@ class FeatureStore:
         self.path = Path(self.path)
         mf = self.path / "manifest.json"
         if not mf.is_file():
-            raise FileNotFoundError(f"No feature store at {self.path} (manifest.json missing); run extract_features.")
+            raise FileNotFoundError(
+                f"No feature store at {self.path} (manifest.json missing); run extract_features."
+            )
         self.manifest = json.loads(mf.read_text())
         if self.manifest.get("format") != FORMAT:
-            raise FeatureStoreMismatch(f"{mf} has format {self.manifest.get('format')!r}, expected {FORMAT!r}.")
+            raise FeatureStoreMismatch(
+                f"{mf} has format {self.manifest.get('format')!r}, expected {FORMAT!r}."
+            )
         if not self.manifest.get("complete"):
-            raise FeatureStoreMismatch(f"The feature store at {self.path} is incomplete; rerun extract_features to resume.")
+            raise FeatureStoreMismatch(
+                f"The feature store at {self.path} is incomplete; rerun extract_features to resume."
+            )
         self._index: list[tuple[int, int, int]] = []  # sequence -> (shard, row start, row end)
         for s_i, shard in enumerate(self.manifest["shards"]):
             start, end = shard["sequences"]
             with safe_open(str(self.path / shard["file"]), "pt") as f:
                 lengths = f.get_tensor("lengths").tolist()
             if len(lengths) != end - start:
-                raise FeatureStoreMismatch(f"{shard['file']} holds {len(lengths)} sequences, manifest says {end - start}.")
+                raise FeatureStoreMismatch(
+                    f"{shard['file']} holds {len(lengths)} sequences, manifest says {end - start}."
+                )
             row = 0
             for n in lengths:
                 self._index.append((s_i, row, row + n))
@@ -235,18 +288,39 @@ class FeatureStore:
     def kv_layers(self) -> list[int]:
         return list(self.manifest["kv_layers"])
 
+    def summary(self) -> dict:
+        """Size and extraction throughput, as recorded in the manifest."""
+        m = self.manifest
+        secs = m.get("extraction_seconds") or float("nan")
+        return {
+            "path": str(self.path),
+            "split": m["data"].get("split"),
+            "sequences": m["n_sequences"],
+            "tokens": m["n_tokens"],
+            "extraction_seconds": round(secs, 1),
+            "tokens_per_s": round(m["n_tokens"] / secs, 1),
+            "bytes_per_token": round(m["bytes_per_token"]),
+            "gigabytes": round(m["bytes"] / 1e9, 3),
+            "dtype": m["dtype"],
+            "hidden_layers": m["hidden_layers"],
+            "kv_layers": m["kv_layers"],
+        }
+
     def check_compatible(self, target_name: str, fingerprint: str, hidden_layers=(), kv_layers=()) -> None:
         """Refuse, with a clear message, a store made for another target or lacking the needed layers."""
         m = self.manifest
         if m["target_fingerprint"] != fingerprint:
-            raise FeatureStoreMismatch(f"The feature store at {self.path} was extracted from target {m['target']!r} "
-                                       f"(fingerprint {m['target_fingerprint']}), not {target_name!r} ({fingerprint}).")
+            raise FeatureStoreMismatch(
+                f"The feature store at {self.path} was extracted from target {m['target']!r} "
+                f"(fingerprint {m['target_fingerprint']}), not {target_name!r} ({fingerprint})."
+            )
         missing_h = sorted(set(hidden_layers) - set(m["hidden_layers"]))
         missing_kv = sorted(set(kv_layers) - set(m["kv_layers"]))
         if missing_h or missing_kv:
             raise FeatureStoreMismatch(
                 f"The feature store at {self.path} has hidden layers {m['hidden_layers']} and KV layers {m['kv_layers']}; "
-                f"missing hidden {missing_h}, KV {missing_kv}. Extract features with those layers.")
+                f"missing hidden {missing_h}, KV {missing_kv}. Extract features with those layers."
+            )
 
     def sequence(self, i: int, fields: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
         """Sequence ``i``'s tensors (all fields, or the named ones), each with the token axis first."""

@@ -86,9 +86,15 @@ def _dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-             "float64": torch.float64}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "float64": torch.float64,
+    }
     if dtype not in table:
         raise TargetLoadError(f"Unknown dtype {dtype!r}; use one of 'auto', {', '.join(map(repr, table))}.")
     return table[dtype]
@@ -98,8 +104,10 @@ def _resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise TargetLoadError(f"device={device!r} was requested but CUDA is not available on this machine; "
-                              "use device='cpu' (or 'auto').")
+        raise TargetLoadError(
+            f"device={device!r} was requested but CUDA is not available on this machine; "
+            "use device='cpu' (or 'auto')."
+        )
     return device
 
 
@@ -114,8 +122,12 @@ def _tiny_model(name: str, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = smollm2_tokenizer()
-    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    ids = dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     if name == "tiny-llama":
         config, cls = LlamaConfig(**TINY_CONFIG, **ids), LlamaForCausalLM
     else:
@@ -143,7 +155,9 @@ def _hf_model(name: str, device: str, dtype: torch.dtype, load_in_4bit: bool):
             "(this machine may have no hub access) and pass the local folder instead."
         ) from None
     if config.model_type not in SUPPORTED_FAMILIES:
-        raise TargetLoadError(f"{name!r} is a {config.model_type!r} model; KVShot supports {SUPPORTED_FAMILIES}.")
+        raise TargetLoadError(
+            f"{name!r} is a {config.model_type!r} model; KVShot supports {SUPPORTED_FAMILIES}."
+        )
     kwargs: dict = dict(dtype=dtype, attn_implementation="sdpa")
     if load_in_4bit:
         from transformers import BitsAndBytesConfig
@@ -155,8 +169,15 @@ def _hf_model(name: str, device: str, dtype: torch.dtype, load_in_4bit: bool):
 
 
 def _fingerprint(config) -> str:
-    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "vocab_size", "intermediate_size")
+    keys = (
+        "model_type",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "intermediate_size",
+    )
     blob = json.dumps({k: getattr(config, k, None) for k in keys}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -181,8 +202,10 @@ def load_target(
         raise TargetLoadError(f"target must be a non-empty string, got {name!r}.")
     device = _resolve_device(device)
     if load_in_4bit and not device.startswith("cuda"):
-        raise TargetLoadError("load_in_4bit=True needs a CUDA device (bitsandbytes 4-bit kernels); this run is on "
-                              f"{device!r}. Drop load_in_4bit or run on a GPU.")
+        raise TargetLoadError(
+            "load_in_4bit=True needs a CUDA device (bitsandbytes 4-bit kernels); this run is on "
+            f"{device!r}. Drop load_in_4bit or run on a GPU."
+        )
     torch_dtype = _dtype(dtype, device)
     if name == "smollm2-135m":
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,0 +1,267 @@
+"""Profiles and papermill execution: ``kvshot run --profile NAME|PATH.yaml [--only 00,02] [--set key=value ...]``.
+
+A profile is a YAML file::
+
+    description: what this profile is for
+    notebooks: ["00", "02"]        # optional: which numbered notebooks run, in order (default: all)
+    parameters: {target: tiny-llama, seed: 0}      # for every notebook that declares the key
+    overrides: {"02": {train_steps: 10}}           # for one notebook, keyed by its number
+
+Every parameter is checked against the literal defaults of each notebook's ``parameters`` cell before
+anything runs: a key that no selected notebook declares, or a value whose type differs from the
+declared default's, is an error naming the notebook and the key. Executed notebooks go to
+``runs/<profile>/``, result tables to ``runs/<profile>/results/`` and figures to ``figures/<profile>/``;
+the runner passes those folders to each notebook as ``run_dir`` and ``figure_dir``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .assets import REPO_ROOT
+
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+NOTEBOOK_DIR = REPO_ROOT / "notebooks"
+INJECTED = ("profile", "run_dir", "figure_dir")  # every notebook declares these; the runner sets them
+
+
+class ProfileError(ValueError):
+    """A profile, a --set value or a notebook's parameters cell is wrong; the message says where."""
+
+
+@dataclass
+class Profile:
+    name: str
+    description: str = ""
+    notebooks: list[str] | None = None
+    parameters: dict = field(default_factory=dict)
+    overrides: dict[str, dict] = field(default_factory=dict)
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A packaged profile by name (``smoke``, ``default``, ``qwen3-8b``) or a YAML file by path."""
+    path = Path(name_or_path)
+    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        path = PROFILE_DIR / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise ProfileError(
+                f"Unknown profile {name_or_path!r}: not a YAML file and not one of {available_profiles()}."
+            )
+    raw = yaml.safe_load(path.read_text()) or {}
+    unknown = set(raw) - {"description", "notebooks", "parameters", "overrides"}
+    if unknown:
+        raise ProfileError(
+            f"{path}: unknown top-level keys {sorted(unknown)}; allowed: description, notebooks, "
+            "parameters, overrides."
+        )
+    for key in ("parameters", "overrides"):
+        if not isinstance(raw.get(key) or {}, dict):
+            raise ProfileError(f"{path}: '{key}' must be a mapping.")
+    overrides = {str(k).zfill(2): v or {} for k, v in (raw.get("overrides") or {}).items()}
+    notebooks = [str(n).zfill(2) for n in raw["notebooks"]] if raw.get("notebooks") else None
+    return Profile(path.stem, raw.get("description", ""), notebooks, raw.get("parameters") or {}, overrides)
+
+
+def list_notebooks(notebook_dir: Path = NOTEBOOK_DIR) -> dict[str, Path]:
+    """Numbered notebooks by their two-digit prefix: {"00": Path(".../00_target_and_data.ipynb"), ...}."""
+    return {p.name[:2]: p for p in sorted(notebook_dir.glob("[0-9][0-9]_*.ipynb"))}
+
+
+def notebook_parameters(path: Path) -> dict:
+    """The defaults declared in a notebook's cell tagged ``parameters`` (literal assignments only)."""
+    cells = json.loads(Path(path).read_text())["cells"]
+    tagged = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if len(tagged) != 1:
+        raise ProfileError(
+            f"{Path(path).name}: expected exactly one cell tagged 'parameters', found {len(tagged)}."
+        )
+    source = "".join(tagged[0]["source"])
+    params = {}
+    for node in ast.parse(source).body:
+        if not (
+            isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+        ):
+            raise ProfileError(
+                f"{Path(path).name}: the parameters cell may only hold `name = literal` lines; "
+                f"found: {ast.unparse(node)!r}"
+            )
+        try:
+            params[node.targets[0].id] = ast.literal_eval(node.value)
+        except ValueError:
+            raise ProfileError(
+                f"{Path(path).name}: parameter {node.targets[0].id!r} is not a literal: "
+                f"{ast.unparse(node.value)!r}"
+            ) from None
+    return params
+
+
+def _type_ok(default, value) -> bool:
+    if default is None or value is None:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
+def parse_sets(sets: list[str] | None) -> dict:
+    """``["key=value", ...]`` → dict, values parsed as YAML scalars/lists (``5`` → int, ``[1,2]`` → list)."""
+    out = {}
+    for item in sets or []:
+        if "=" not in item:
+            raise ProfileError(f"--set expects key=value, got {item!r}.")
+        key, value = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def plan_run(
+    profile: Profile,
+    only: list[str] | None = None,
+    sets: dict | None = None,
+    notebook_dir: Path = NOTEBOOK_DIR,
+) -> list[tuple[Path, dict]]:
+    """Check every parameter against the notebooks' declarations; return [(notebook, parameters)] in order."""
+    available = list_notebooks(notebook_dir)
+    selected = profile.notebooks or sorted(available)
+    if only:
+        only = [str(o).zfill(2) for o in only]
+        missing = [o for o in only if o not in available]
+        if missing:
+            raise ProfileError(
+                f"--only names notebooks {missing} that do not exist; available: {sorted(available)}."
+            )
+        selected = [n for n in sorted(available) if n in only]
+    missing = [n for n in selected if n not in available]
+    if missing:
+        raise ProfileError(
+            f"profile {profile.name!r} lists notebooks {missing} that do not exist; "
+            f"available: {sorted(available)}."
+        )
+    declared = {n: notebook_parameters(available[n]) for n in selected}
+    common = {**profile.parameters, **(sets or {})}
+    plan = []
+    for key in common:
+        if key in INJECTED:
+            raise ProfileError(f"{key!r} is set by the runner; remove it from the profile / --set.")
+        if not any(key in d for d in declared.values()):
+            raise ProfileError(
+                f"Unknown parameter {key!r}: no selected notebook ({', '.join(selected)}) declares it "
+                "in its parameters cell."
+            )
+    for n in selected:
+        extra = profile.overrides.get(n, {})
+        for key in extra:
+            if key not in declared[n]:
+                raise ProfileError(
+                    f"{available[n].name}: the profile overrides {key!r}, which this notebook's "
+                    f"parameters cell does not declare (it declares {sorted(declared[n])})."
+                )
+        params = {
+            k: v for k, v in {**profile.parameters, **extra, **(sets or {})}.items() if k in declared[n]
+        }
+        for key, value in params.items():
+            if not _type_ok(declared[n][key], value):
+                raise ProfileError(
+                    f"{available[n].name}: parameter {key!r} expects "
+                    f"{type(declared[n][key]).__name__} (default {declared[n][key]!r}), "
+                    f"got {type(value).__name__} {value!r}."
+                )
+        lacking = [k for k in INJECTED if k not in declared[n]]
+        if lacking:
+            raise ProfileError(f"{available[n].name}: the parameters cell must declare {lacking}.")
+        plan.append((available[n], params))
+    return plan
+
+
+class NotebookFailed(RuntimeError):
+    """A notebook failed; the message names it, the cell and where the executed copy was kept."""
+
+
+def run_profile(
+    name_or_path: str,
+    only: list[str] | None = None,
+    sets: dict | None = None,
+    root: Path = REPO_ROOT,
+    notebook_dir: Path = NOTEBOOK_DIR,
+) -> list[dict]:
+    """Execute the profile's notebooks in order with papermill; returns one record per notebook."""
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    profile = load_profile(name_or_path)
+    plan = plan_run(profile, only, sets, notebook_dir)  # validates everything before anything runs
+    run_dir, figure_dir = root / "runs" / profile.name, root / "figures" / profile.name
+    (run_dir / "results").mkdir(parents=True, exist_ok=True)
+    figure_dir.mkdir(parents=True, exist_ok=True)
+    records = []
+    for nb, params in plan:
+        params = {**params, "profile": profile.name, "run_dir": str(run_dir), "figure_dir": str(figure_dir)}
+        out = run_dir / nb.name
+        print(f"[kvshot] {profile.name}: running {nb.name} -> {out.relative_to(root)}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            papermill.execute_notebook(
+                str(nb),
+                str(out),
+                parameters=params,
+                cwd=str(nb.parent),
+                kernel_name="python3",
+                language="python",
+                progress_bar=False,
+            )
+        except PapermillExecutionError as e:
+            raise NotebookFailed(
+                f"{nb.name} failed in cell {e.cell_index} (execution count {e.exec_count}): {e.ename}: {e.evalue}\n"
+                f"The executed notebook is kept at {out}; open it to see the traceback."
+            ) from None
+        records.append(
+            {"notebook": nb.name, "seconds": round(time.perf_counter() - t0, 1), "output": str(out)}
+        )
+        print(f"[kvshot] {nb.name} done in {records[-1]['seconds']} s", flush=True)
+    (run_dir / "results" / "run_log.json").write_text(
+        json.dumps({"profile": profile.name, "only": only, "sets": sets, "notebooks": records}, indent=1)
+    )
+    return records
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("run", help="run the numbered notebooks of a profile with papermill")
+    p.add_argument(
+        "--profile",
+        default="default",
+        help=f"a profile name ({', '.join(available_profiles())}) or a path to a YAML file",
+    )
+    p.add_argument("--only", default=None, help="comma-separated notebook numbers, e.g. 00,02")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a parameter (YAML-parsed value); repeatable",
+    )
+    p.set_defaults(func=_cli_run)
+
+
+def _cli_run(args) -> int:
+    import sys
+
+    only = [s for s in args.only.split(",") if s] if args.only else None
+    try:
+        run_profile(args.profile, only, parse_sets(args.sets))
+    except (ProfileError, NotebookFailed) as e:
+        print(f"kvshot run: {e}", file=sys.stderr)
+        return 2
+    return 0
