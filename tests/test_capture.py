@@ -1,0 +1,98 @@
+"""Capture is exact: it changes nothing, and what it records is what the model really computed."""
+
+import math
+
+import pytest
+import torch
+
+from kvshot_lib.capture import capture, decoder_layers
+
+LAYERS = [0, 3, 7]
+
+
+def _ids(seed, shape):
+    return torch.randint(0, 49152, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_logits_identical_with_and_without_capture(tiny_target):
+    model = tiny_target.model
+    ids = _ids(0, (2, 17))
+    ref = model(ids).logits
+    with capture(model, LAYERS, hidden=True, kv=True, queries=True):
+        got = model(ids).logits
+    assert torch.equal(ref, got)
+
+
+def test_captured_kv_equal_cache_contents_over_prefill_and_decode(tiny_target):
+    model = tiny_target.model
+    with capture(model, LAYERS) as rec:
+        out = model(_ids(1, (2, 11)), use_cache=True)
+        out = model(_ids(2, (2, 4)), past_key_values=out.past_key_values, use_cache=True)  # multi-token step
+        out = model(_ids(3, (2, 1)), past_key_values=out.past_key_values, use_cache=True)
+    cache = out.past_key_values
+    for layer in LAYERS:
+        assert torch.equal(rec.keys_at(layer), cache.layers[layer].keys)  # [B, kvH, 16, D]
+        assert torch.equal(rec.values_at(layer), cache.layers[layer].values)
+        assert rec.keys_at(layer).shape[2] == 16
+
+
+def test_hidden_states_match_output_hidden_states(tiny_target):
+    model = tiny_target.model
+    ids = _ids(4, (1, 9))
+    with capture(model, LAYERS, kv=False) as rec:
+        out = model(ids, output_hidden_states=True)
+    for layer in LAYERS[:-1]:  # the last layer's entry in output_hidden_states is after the final norm
+        assert torch.equal(rec.hidden_at(layer), out.hidden_states[layer + 1])
+
+
+def test_queries_reproduce_attention_output(tiny_target):
+    """softmax(q kᵀ/√d + causal) v from the captured q and K/V equals the input of each layer's o_proj."""
+    model, info = tiny_target.model, tiny_target.info
+    blocks = decoder_layers(model)
+    o_inputs = {}
+    hooks = [
+        blocks[i].self_attn.o_proj.register_forward_pre_hook(
+            lambda _m, args, i=i: o_inputs.__setitem__(i, args[0])
+        )
+        for i in LAYERS
+    ]
+    try:
+        with capture(model, LAYERS, hidden=False, kv=True, queries=True) as rec:
+            model(_ids(5, (2, 13)))
+    finally:
+        for h in hooks:
+            h.remove()
+    groups = info.n_heads // info.n_kv_heads
+    for layer in LAYERS:
+        q = rec.queries_at(layer)  # [B, H, T, D]
+        k = rec.keys_at(layer).repeat_interleave(groups, dim=1)  # [B, H, T, D]
+        v = rec.values_at(layer).repeat_interleave(groups, dim=1)
+        T = q.shape[2]
+        scores = q @ k.transpose(-1, -2) / math.sqrt(info.head_dim)  # [B, H, T, T]
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        attn = scores.softmax(-1) @ v  # [B, H, T, D]
+        expected = attn.transpose(1, 2).reshape(2, T, -1)  # [B, T, H*D]
+        torch.testing.assert_close(o_inputs[layer], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_everything_is_undone_even_when_the_forward_raises(tiny_llama):
+    model = tiny_llama.model
+    blocks = decoder_layers(model)
+    impl = model.config._attn_implementation
+    with pytest.raises(RuntimeError, match="boom"):
+        with capture(model, LAYERS, hidden=True, kv=True, queries=True):
+            model(_ids(6, (1, 5)))
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == impl
+    for b in blocks:
+        assert not b._forward_hooks
+        assert not [n for n in vars(b.self_attn) if n.startswith("_kvshot")]
+    ref = model(_ids(7, (1, 5))).logits
+    with capture(model, LAYERS):
+        assert torch.equal(model(_ids(7, (1, 5))).logits, ref)
+
+
+def test_out_of_range_layer_is_a_clear_error(tiny_llama):
+    with pytest.raises(ValueError, match="out of range"):
+        with capture(tiny_llama.model, [8]):
+            pass

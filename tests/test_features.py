@@ -1,0 +1,105 @@
+"""The feature store holds exactly what the target computes, resumes after interruption and refuses mismatches."""
+
+import json
+
+import pytest
+import torch
+
+from kvshot_lib import data, features
+from kvshot_lib.features import FeatureStore, FeatureStoreMismatch, extract_features
+
+
+@pytest.fixture(scope="module")
+def split(tokenizer):
+    return data.tokenize_sharegpt(tokenizer, "train", 6, max_len=96, seed=0)
+
+
+def test_store_holds_what_the_target_computes(tiny_llama, split, tmp_path):
+    store = extract_features(
+        tiny_llama,
+        split,
+        hidden_layers=[1, 3],
+        kv_layers=[4],
+        out_dir=tmp_path,
+        dtype="float32",
+        shard_tokens=200,
+    )
+    assert len(store) == len(split) and store.n_tokens == split.n_tokens
+    assert len(store.manifest["shards"]) > 1  # the plan really splits into shards
+    model = tiny_llama.model
+    for i in (0, len(split) - 1):
+        seq = store.sequence(i)
+        ids = split.ids[i]
+        out = model(ids[None], output_hidden_states=True, use_cache=True)
+        assert torch.equal(seq["input_ids"].long(), ids) and torch.equal(
+            seq["loss_mask"].bool(), split.loss_mask[i]
+        )
+        for layer in (1, 3):
+            torch.testing.assert_close(
+                seq[f"hidden.{layer}"], out.hidden_states[layer + 1][0], atol=1e-5, rtol=0
+            )
+        cache = out.past_key_values.layers[4]
+        torch.testing.assert_close(seq["keys.4"], cache.keys[0].transpose(0, 1), atol=1e-5, rtol=0)
+        torch.testing.assert_close(seq["values.4"], cache.values[0].transpose(0, 1), atol=1e-5, rtol=0)
+        # the soft labels: the target's next-token distribution is lm_head(final_hidden)
+        torch.testing.assert_close(model.lm_head(seq["final_hidden"]), out.logits[0], atol=1e-4, rtol=0)
+    m = store.manifest
+    assert m["target_fingerprint"] == tiny_llama.info.fingerprint and m["hidden_layers"] == [1, 3]
+    assert m["bytes_per_token"] == pytest.approx(sum(s["bytes"] for s in m["shards"]) / split.n_tokens)
+    # float32 rows: 4 bytes x (2 hidden + final hidden + K + V) per token, plus ids/mask, plus headers
+    per_token = 4 * (3 * 64 + 2 * 2 * 16) + 4 + 1
+    assert per_token <= m["bytes_per_token"] < per_token * 1.2
+
+
+def test_extraction_resumes_after_interruption(tiny_llama, split, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = features._extract_sequence
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(features, "_extract_sequence", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        extract_features(tiny_llama, split, out_dir=tmp_path / "a", shard_tokens=150)
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert not manifest["complete"] and len(manifest["shards"]) >= 1
+    kept = {s["file"]: (tmp_path / "a" / s["file"]).stat().st_mtime_ns for s in manifest["shards"]}
+    calls["n"] = -1000  # no more interruptions
+    resumed = extract_features(tiny_llama, split, out_dir=tmp_path / "a", shard_tokens=150)
+    for f, mtime in kept.items():
+        assert (tmp_path / "a" / f).stat().st_mtime_ns == mtime  # finished shards were kept, not redone
+    fresh = extract_features(tiny_llama, split, out_dir=tmp_path / "b", shard_tokens=150)
+    assert resumed.manifest["content_hash"] == fresh.manifest["content_hash"]
+
+
+def test_corrupted_shard_is_redone(tiny_llama, split, tmp_path):
+    store = extract_features(tiny_llama, split, out_dir=tmp_path, shard_tokens=150)
+    first = tmp_path / store.manifest["shards"][0]["file"]
+    first.write_bytes(first.read_bytes()[:-10] + b"0123456789")
+    again = extract_features(tiny_llama, split, out_dir=tmp_path, shard_tokens=150)
+    assert again.manifest["content_hash"] == store.manifest["content_hash"]
+
+
+def test_mismatched_store_is_refused(tiny_llama, tiny_qwen3, split, tmp_path):
+    store = extract_features(tiny_llama, split, hidden_layers=[1], kv_layers=[2], out_dir=tmp_path)
+    with pytest.raises(FeatureStoreMismatch, match="hidden_layers"):
+        extract_features(tiny_llama, split, hidden_layers=[3], kv_layers=[2], out_dir=tmp_path)
+    with pytest.raises(FeatureStoreMismatch, match="target"):
+        extract_features(tiny_qwen3, split, hidden_layers=[1], kv_layers=[2], out_dir=tmp_path)
+    with pytest.raises(FeatureStoreMismatch, match="extracted from target"):
+        store.check_compatible("tiny-qwen3", tiny_qwen3.info.fingerprint)
+    with pytest.raises(FeatureStoreMismatch, match="missing hidden"):
+        store.check_compatible("tiny-llama", tiny_llama.info.fingerprint, hidden_layers=[1, 3])
+    store.check_compatible("tiny-llama", tiny_llama.info.fingerprint, hidden_layers=[1], kv_layers=[2])
+
+
+def test_bad_layers_and_missing_store_are_clear_errors(tiny_llama, split, tmp_path):
+    with pytest.raises(ValueError, match="layers"):
+        extract_features(
+            tiny_llama, split, hidden_layers=[7], out_dir=tmp_path
+        )  # the last layer is post-norm
+    with pytest.raises(FileNotFoundError, match="extract_features"):
+        FeatureStore(tmp_path / "nothing")

@@ -1,0 +1,107 @@
+"""Profiles are validated against the notebooks' parameters cells before anything runs."""
+
+import json
+
+import nbformat
+import pytest
+
+from kvshot_lib import runner
+from kvshot_lib.runner import NotebookFailed, Profile, ProfileError, plan_run
+
+HEADER = 'profile = "x"\nrun_dir = "r"\nfigure_dir = "f"\n'
+
+
+def _notebook(path, params_source, body="x = 1"):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    cell = nbformat.v4.new_code_cell(HEADER + params_source)
+    cell.metadata["tags"] = ["parameters"]
+    nb.cells = [nbformat.v4.new_markdown_cell("# test"), cell, nbformat.v4.new_code_cell(body)]
+    nbformat.write(nb, str(path))
+    return path
+
+
+@pytest.fixture
+def nbdir(tmp_path):
+    _notebook(tmp_path / "00_a.ipynb", "n = 3\nrate = 0.5\nflag = False\nname = 'a'\n")
+    _notebook(tmp_path / "01_b.ipynb", "n = 4\nlayers = [1, 2]\n")
+    return tmp_path
+
+
+def test_parameters_reach_only_the_notebooks_that_declare_them(nbdir):
+    plan = plan_run(
+        Profile("p", parameters={"n": 7, "rate": 1}, overrides={"01": {"layers": [3]}}), notebook_dir=nbdir
+    )
+    assert [(nb.name, params) for nb, params in plan] == [
+        ("00_a.ipynb", {"n": 7, "rate": 1}),
+        ("01_b.ipynb", {"n": 7, "layers": [3]}),
+    ]
+    plan = plan_run(Profile("p", parameters={"n": 7}), only=["1"], sets={"n": 9}, notebook_dir=nbdir)
+    assert [(nb.name, params) for nb, params in plan] == [("01_b.ipynb", {"n": 9})]
+
+
+@pytest.mark.parametrize(
+    "profile, sets, match",
+    [
+        (Profile("p", parameters={"nope": 1}), None, "Unknown parameter 'nope'"),
+        (Profile("p"), {"n": "three"}, r"00_a.ipynb: parameter 'n' expects int"),
+        (Profile("p"), {"flag": 1}, r"00_a.ipynb: parameter 'flag' expects bool"),
+        (Profile("p"), {"n": 2.5}, "expects int"),
+        (Profile("p", overrides={"01": {"rate": 0.1}}), None, r"01_b.ipynb: the profile overrides 'rate'"),
+        (Profile("p", parameters={"run_dir": "x"}), None, "set by the runner"),
+        (Profile("p", notebooks=["07"]), None, "do not exist"),
+    ],
+)
+def test_bad_parameters_name_the_notebook_and_key(nbdir, profile, sets, match):
+    with pytest.raises(ProfileError, match=match):
+        plan_run(profile, sets=sets, notebook_dir=nbdir)
+
+
+def test_parameters_cell_must_hold_literals(tmp_path):
+    _notebook(tmp_path / "00_a.ipynb", "n = len('abc')\n")
+    with pytest.raises(ProfileError, match="not a literal"):
+        plan_run(Profile("p"), notebook_dir=tmp_path)
+
+
+def test_set_values_are_parsed_as_yaml():
+    assert runner.parse_sets(["a=3", "b=0.5", "c=[1, 2]", "d=tiny-llama", "e=true"]) == {
+        "a": 3,
+        "b": 0.5,
+        "c": [1, 2],
+        "d": "tiny-llama",
+        "e": True,
+    }
+    with pytest.raises(ProfileError, match="key=value"):
+        runner.parse_sets(["oops"])
+
+
+def test_unknown_profile_is_a_clear_error():
+    with pytest.raises(ProfileError, match="Unknown profile 'nope'"):
+        runner.load_profile("nope")
+
+
+@pytest.mark.parametrize("name", runner.available_profiles())
+def test_packaged_profiles_fit_the_real_notebooks(name):
+    assert {"smoke", "default", "qwen3-8b"} <= set(runner.available_profiles())
+    plan = plan_run(runner.load_profile(name))
+    assert [nb.name[:2] for nb, _ in plan] == sorted(runner.list_notebooks())
+
+
+def test_failing_notebook_stops_the_run_and_is_kept(tmp_path):
+    nbdir = tmp_path / "nbs"
+    nbdir.mkdir()
+    _notebook(nbdir / "00_ok.ipynb", "n = 1\n", "print('fine')")
+    _notebook(nbdir / "01_bad.ipynb", "n = 1\n", "raise ValueError('deliberate failure')")
+    _notebook(nbdir / "02_never.ipynb", "n = 1\n", "print('should not run')")
+    profile = tmp_path / "mine.yaml"
+    profile.write_text("parameters: {n: 2}\n")
+    with pytest.raises(
+        NotebookFailed, match=r"01_bad.ipynb failed in cell 3 .*ValueError: deliberate failure"
+    ):
+        runner.run_profile(str(profile), root=tmp_path, notebook_dir=nbdir)
+    kept = tmp_path / "runs" / "mine" / "01_bad.ipynb"
+    assert kept.is_file() and "deliberate failure" in kept.read_text()
+    assert not (tmp_path / "runs" / "mine" / "02_never.ipynb").exists()
+    ok = json.loads((tmp_path / "runs" / "mine" / "00_ok.ipynb").read_text())
+    injected = [c for c in ok["cells"] if "injected-parameters" in c["metadata"].get("tags", [])]
+    assert "n = 2" in "".join(injected[0]["source"])
