@@ -190,6 +190,22 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(set(ids)))
 
 
+def _load(name: str, device: str, torch_dtype: torch.dtype, load_in_4bit: bool, seed: int):
+    if name == "smollm2-135m":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = assets.smollm2_model_dir()
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="sdpa")
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    elif name in ("tiny-llama", "tiny-qwen3"):
+        model, tokenizer = _tiny_model(name, seed)
+        model = model.to(torch_dtype)
+        model.config._attn_implementation = "sdpa"
+    else:
+        model, tokenizer = _hf_model(name, device, torch_dtype, load_in_4bit)
+    return model, tokenizer
+
+
 def load_target(
     name: str = DEFAULT_TARGET,
     device: str = "auto",
@@ -207,18 +223,13 @@ def load_target(
             f"{device!r}. Drop load_in_4bit or run on a GPU."
         )
     torch_dtype = _dtype(dtype, device)
-    if name == "smollm2-135m":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-        path = assets.smollm2_model_dir()
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="sdpa")
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    elif name in ("tiny-llama", "tiny-qwen3"):
-        model, tokenizer = _tiny_model(name, seed)
-        model = model.to(torch_dtype)
-        model.config._attn_implementation = "sdpa"
-    else:
-        model, tokenizer = _hf_model(name, device, torch_dtype, load_in_4bit)
+    hf_logging.disable_progress_bar()  # transformers' per-tensor "Loading weights" bars clutter notebooks
+    try:
+        model, tokenizer = _load(name, device, torch_dtype, load_in_4bit, seed)
+    finally:
+        hf_logging.enable_progress_bar()
     if not load_in_4bit:
         model = model.to(device)
     model.eval().requires_grad_(False)
