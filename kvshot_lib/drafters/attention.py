@@ -1,0 +1,145 @@
+"""Building blocks shared by the three drafters: RMSNorm, SwiGLU MLP, RoPE, and segmented attention.
+
+**Segmented attention.** A drafter query attends, in one softmax, over several *segments* of keys:
+
+* ``dense`` segments: a key tensor ``[B, kvH, S, D]`` with an optional visibility mask ``[n, S]`` (True =
+  visible), e.g. the target's KV cache, the drafter's own context cache, or the nodes of a draft tree;
+* ``diag`` segments: keys ``[B, kvH, n, D]`` aligned one-to-one with the ``n`` queries, each query seeing
+  only its own row. This is how EAGLE-3's training-time test (TTT) lets step ``k`` at index ``i`` see the
+  own keys of steps ``1..k`` *of its own branch* without building a ``[K*T, K*T]`` mask.
+
+The result equals plain softmax attention over the concatenated keys with the equivalent dense mask
+(``tests/test_training_ttt.py`` checks both the mask and this equivalence). Every segment may carry a
+``tag``; a recorder (see :mod:`kvshot_lib.grad_probes`) then receives the attention each key position
+receives, which notebook 05 correlates with the per-position K/V gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(var + self.eps) * self.weight
+
+
+class MLP(nn.Module):
+    """SwiGLU, as in Llama/Qwen3."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x [B, h, n, D]`` by the angles of its positions (``cos``, ``sin`` broadcast to it)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def undo_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Inverse of :func:`apply_rope` (rotation by the negative angle)."""
+    return x * cos - rotate_half(x) * sin
+
+
+@dataclass
+class Segment:
+    k: Tensor  # [B, kvH, S, D] (dense) or [B, kvH, n, D] (diag)
+    v: Tensor  # same shape as k
+    kind: str = "dense"  # "dense" | "diag"
+    mask: Tensor | None = None  # [n, S] or [B, 1, 1, n, S] bool, True = visible (dense only)
+    tag: tuple | None = None  # e.g. ("own", layer, step) or ("target", layer); for the attention recorder
+    rows: Tensor | None = None  # diag keys gathered from these positions of the tagged tensor (recorder)
+
+
+def segmented_attention(q: Tensor, segments: list[Segment], recorder=None) -> Tensor:
+    """Softmax attention of ``q [B, h, n, D]`` over all segments at once; returns ``[B, h, n, D]``.
+
+    The softmax is written out (running max, exponentials, one normalizer) instead of concatenating the
+    segments' scores: on a CPU that halves the backward pass for TTT's many diagonal segments.
+    """
+    segments = [s for s in segments if s.kind == "diag" or s.k.shape[2] > 0]  # e.g. an empty target cache
+    B, h, n, D = q.shape
+    kvh = segments[0].k.shape[1]
+    g = h // kvh
+    qg = q.reshape(B, kvh, g * n, D) * D**-0.5  # [B, kvH, g*n, D]: a query group's rows side by side
+    scores = []
+    for s in segments:
+        if s.kind == "dense":
+            sc = qg @ s.k.transpose(-1, -2)  # [B, kvH, g*n, S]
+            if s.mask is not None:
+                sc = sc.view(B, kvh, g, n, -1).masked_fill_(~s.mask, float("-inf")).view(B, kvh, g * n, -1)
+        else:
+            sc = (
+                (qg.view(B, kvh, g, n, D) * s.k.unsqueeze(2)).sum(-1).view(B, kvh, g * n, 1)
+            )  # [B, kvH, g*n, 1]
+        scores.append(sc)
+    with torch.no_grad():
+        m = (
+            torch.stack([sc.amax(-1) for sc in scores]).amax(0, keepdim=False).unsqueeze(-1)
+        )  # [B, kvH, g*n, 1]
+    exps = [torch.exp(sc - m) for sc in scores]
+    z = sum(e.sum(-1, keepdim=True) for e in exps)  # [B, kvH, g*n, 1]
+    out = None
+    for s, e in zip(segments, exps):
+        if s.kind == "dense":
+            o = e @ s.v  # [B, kvH, g*n, D]
+        else:
+            o = (e.view(B, kvh, g, n, 1) * s.v.unsqueeze(2)).view(B, kvh, g * n, D)
+        out = o if out is None else out + o
+    out = out / z  # [B, kvH, g*n, D]
+    if recorder is not None:
+        recorder.attention(segments, [(e / z).detach().view(B, kvh, g, n, -1) for e in exps])
+    return out.view(B, h, n, D)
+
+
+class Attention(nn.Module):
+    """Q/K/V/O projections of one drafter attention. ``own_kv=False`` makes a query-only (cross) attention."""
+
+    def __init__(
+        self, in_dim: int, out_dim: int, n_heads: int, n_kv_heads: int, head_dim: int, own_kv: bool = True
+    ):
+        super().__init__()
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}.")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.q_proj = nn.Linear(in_dim, n_heads * head_dim, bias=False)
+        if own_kv:
+            self.k_proj = nn.Linear(in_dim, n_kv_heads * head_dim, bias=False)
+            self.v_proj = nn.Linear(in_dim, n_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * head_dim, out_dim, bias=False)
+
+    def _heads(self, x: Tensor, n_heads: int) -> Tensor:
+        B, n, _ = x.shape
+        return x.view(B, n, n_heads, self.head_dim).transpose(1, 2)  # [B, heads, n, D]
+
+    def query(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return apply_rope(self._heads(self.q_proj(x), self.n_heads), cos, sin)  # [B, h, n, D]
+
+    def key_value(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        k = apply_rope(self._heads(self.k_proj(x), self.n_kv_heads), cos, sin)  # [B, kvH, n, D]
+        v = self._heads(self.v_proj(x), self.n_kv_heads)  # [B, kvH, n, D]
+        return k, v
+
+    def out(self, o: Tensor) -> Tensor:
+        B, h, n, D = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, n, h * D))  # [B, n, out_dim]

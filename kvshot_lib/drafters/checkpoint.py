@@ -1,0 +1,115 @@
+"""Drafter checkpoints: ``config.json`` (the :class:`DrafterConfig`) + ``model.safetensors`` (the state dict).
+
+The state dict is the drafter's trainable parameters plus ``d2t`` (the draft vocabulary) and
+``target_probe`` (a sample of the target's embedding). The frozen embedding and LM head are the target's
+and are never saved, so loading needs the target, and refuses one that is not the drafter's: another
+architecture (fingerprint), another vocabulary, or the same architecture with other weights (probe).
+Loading is strict and bitwise: what was saved is what comes back. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import DrafterConfig, DrafterConfigError, DrafterTargetMismatch
+from .vocab import vocab_hash
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+def drafter_class(paradigm: str):
+    from .hidden import HiddenDrafter
+    from .hybrid import HybridDrafter
+    from .kv import KVDrafter
+
+    return {"hidden": HiddenDrafter, "kv": KVDrafter, "hybrid": HybridDrafter}[paradigm]
+
+
+def build_drafter(cfg: DrafterConfig, target, d2t: torch.Tensor, seed: int | None = None):
+    """A freshly initialized drafter of ``cfg.paradigm`` for ``target`` (seeded if ``seed`` is given)."""
+    cfg.vocab_hash = vocab_hash(d2t)
+    if seed is None:
+        return drafter_class(cfg.paradigm)(cfg, target, d2t)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return drafter_class(cfg.paradigm)(cfg, target, d2t)
+
+
+def save_drafter(drafter, path: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` under ``path`` (atomically per file)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    tmp = path / (WEIGHTS_FILE + ".tmp")
+    save_file(state, str(tmp), metadata={"format": drafter.cfg.format})
+    tmp.rename(path / WEIGHTS_FILE)
+    cfg = drafter.cfg.as_dict()
+    cfg["vocab_hash"] = vocab_hash(drafter.d2t.cpu())
+    (path / (CONFIG_FILE + ".tmp")).write_text(json.dumps(cfg, indent=1))
+    (path / (CONFIG_FILE + ".tmp")).rename(path / CONFIG_FILE)
+    return path
+
+
+def read_config(path: str | Path) -> DrafterConfig:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"No drafter checkpoint at {path}: expected a folder with {CONFIG_FILE} and "
+            f"{WEIGHTS_FILE} (written by save_drafter / notebook 02)."
+        )
+    for f in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (path / f).is_file():
+            raise FileNotFoundError(
+                f"The drafter checkpoint {path} lacks {f}; it is incomplete (an interrupted "
+                "save?). Retrain it, or resume its training."
+            )
+    try:
+        raw = json.loads((path / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise DrafterConfigError(f"{path / CONFIG_FILE} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise DrafterConfigError(f"{path / CONFIG_FILE} must hold a JSON object.")
+    return DrafterConfig.from_dict(raw)
+
+
+def load_drafter(path: str | Path, target):
+    """Load a drafter checkpoint for ``target``; raises a clear error on a wrong target or a bad checkpoint."""
+    path = Path(path)
+    cfg = read_config(path)
+    cfg.check_target(target.info, where=f"the drafter at {path}")
+    with safe_open(str(path / WEIGHTS_FILE), "pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    if "d2t" not in state:
+        raise DrafterConfigError(
+            f"{path / WEIGHTS_FILE} has no d2t tensor; it is not a KVShot drafter checkpoint."
+        )
+    d2t = state["d2t"]
+    if vocab_hash(d2t) != cfg.vocab_hash:
+        raise DrafterConfigError(
+            f"{path}: the draft vocabulary in {WEIGHTS_FILE} (hash {vocab_hash(d2t)}) does not "
+            f"match the config's vocab_hash {cfg.vocab_hash}; the two files come from different runs."
+        )
+    drafter = drafter_class(cfg.paradigm)(cfg, target, d2t)
+    probe = drafter.target_probe.cpu()
+    saved = state.get("target_probe")
+    if saved is None or saved.shape != probe.shape or not torch.allclose(saved, probe, rtol=2e-2, atol=1e-3):
+        raise DrafterTargetMismatch(
+            f"the drafter at {path} was trained with target {cfg.target_name!r}, and {target.info.name!r} has the same "
+            "architecture but different embedding weights (another seed or fine-tune). Load the target it was trained "
+            "with."
+        )
+    state["target_probe"] = drafter.target_probe.cpu()  # the live target's, within tolerance of the saved one
+    device = drafter.head.device
+    missing_or_unexpected = drafter.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False)
+    if missing_or_unexpected.missing_keys or missing_or_unexpected.unexpected_keys:
+        raise DrafterConfigError(
+            f"{path / WEIGHTS_FILE} does not fit its config: missing "
+            f"{missing_or_unexpected.missing_keys}, unexpected {missing_or_unexpected.unexpected_keys}."
+        )
+    drafter.eval()
+    return drafter

@@ -1,0 +1,178 @@
+"""What the three trainable drafters share: the frozen target embedding and LM head, RoPE, the unroll.
+
+A :class:`TrainableDrafter` is an ``nn.Module`` *and* a :class:`~kvshot_lib.drafters.base.SessionFactory`.
+
+* The target's input embedding and LM head are reused, frozen, and never stored in a checkpoint. The
+  embedding is looked up in the target's own dtype (no copy of a 150k x 4096 table); the LM head is cut
+  down to the draft vocabulary's rows (``head [V_draft, H]``). The drafter's own final norm comes before it.
+* RoPE cos/sin come from the target's rotary embedding, so the drafter's positions are the target's.
+* ``state_dict()`` holds exactly the trainable parameters plus two buffers: ``d2t`` (the draft vocabulary)
+  and ``target_probe`` (a 64 x 16 sample of the target's embedding, to catch a same-architecture target
+  with other weights). Loading is strict.
+* ``forward(batch, n_steps)`` unrolls the drafter ``n_steps`` times over a :class:`TrainBatch` (see
+  ``unroll.py`` for the index convention) and returns every step's output hidden state.
+
+Subclasses (``hidden.py``, ``kv.py``, ``hybrid.py``) define ``layers`` and, as needed, ``fuse`` (the fc of
+the target's hidden states) and ``injectors`` (how the target's KV enters the drafter's attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .attention import RMSNorm
+from .config import DrafterConfig
+from .unroll import TrainBatch, UnrollContext, shifted
+
+N_PROBE_ROWS, N_PROBE_DIMS = 64, 16
+
+
+def target_probe(target) -> Tensor:
+    """A small fixed sample of the target's input embedding, in float32: ``[64, 16]``."""
+    w = target.model.model.embed_tokens.weight
+    rows = torch.linspace(0, w.shape[0] - 1, N_PROBE_ROWS).long().to(w.device)
+    return w[rows, :N_PROBE_DIMS].detach().float().cpu().clone()
+
+
+class _Frozen:
+    """Holds the target modules the drafter borrows, out of sight of ``nn.Module`` (no params, no state)."""
+
+    def __init__(self, embed_weight: Tensor, rotary: nn.Module):
+        self.embed_weight = embed_weight
+        self.rotary = rotary
+
+
+@dataclass
+class Unrolled:
+    outs: list[Tensor]  # per step: [B, N, H] output hidden state (before the final norm)
+    ctx: UnrollContext
+    fused: Tensor | None  # [B, N, H] fc(target features) at step 0 (hidden, hybrid)
+    injected: dict[int, tuple[Tensor, Tensor]]  # layer -> injected target (K, V), each [B, kvH, T, D]
+    rows: list[Tensor | None]  # per step: the branch indices it ran ([M]), None = all N
+
+
+class TrainableDrafter(nn.Module):
+    layers: nn.ModuleList
+
+    def __init__(self, cfg: DrafterConfig, target, d2t: Tensor):
+        super().__init__()
+        cfg.check_target(target.info, where=f"the {cfg.paradigm} drafter config")
+        if d2t.numel() != cfg.draft_vocab_size:
+            raise ValueError(f"d2t has {d2t.numel()} ids but draft_vocab_size is {cfg.draft_vocab_size}.")
+        self.cfg = cfg
+        self.paradigm, self.regime = cfg.paradigm, cfg.regime
+        self.name = cfg.name or f"{cfg.paradigm}-{cfg.regime or 'untrained'}"
+        model = target.model
+        self._frozen = _Frozen(model.model.embed_tokens.weight, model.model.rotary_emb)
+        device = model.model.embed_tokens.weight.device
+        self.register_buffer("d2t", d2t.long().to(device).clone(), persistent=True)
+        self.register_buffer("target_probe", target_probe(target).to(device), persistent=True)
+        head = model.lm_head.weight.detach()[self.d2t].float().clone()  # [V_draft, H]
+        self.register_buffer("head", head, persistent=False)
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("_cos", torch.empty(0, device=device), persistent=False)
+        self.register_buffer("_sin", torch.empty(0, device=device), persistent=False)
+
+    # ------------------------------------------------------------------------------------------ shared parts
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return self.cfg.hidden_layers if self.cfg.uses_hidden else ()
+
+    def embed(self, ids: Tensor) -> Tensor:
+        w = self._frozen.embed_weight
+        return nn.functional.embedding(ids.to(w.device), w).to(self.head.dtype)  # [..., H]
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin for ``positions [n]``: each ``[1, 1, n, D]`` (broadcast over batch and heads)."""
+        need = int(positions.max().item()) + 1 if positions.numel() else 1
+        if self._cos.shape[0] < need:
+            self._rope_table(max(need, 2 * self._cos.shape[0], 4096))
+        return self._cos[positions][None, None], self._sin[positions][None, None]
+
+    def _rope_table(self, n: int) -> None:
+        pos = torch.arange(n, device=self.head.device)[None]  # [1, n]
+        x = torch.zeros(1, dtype=torch.float32, device=self.head.device)
+        with torch.no_grad():
+            cos, sin = self._frozen.rotary(x, pos)  # [1, n, D]
+        self._cos, self._sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+
+    def logits(self, h: Tensor) -> Tensor:
+        return self.final_norm(h) @ self.head.T  # [..., V_draft]
+
+    def fuse(self, hidden: Tensor) -> Tensor:  # [B, n, n_layers * H] -> [B, n, H]
+        raise NotImplementedError
+
+    def inject(self, keys: Tensor, values: Tensor, positions: Tensor) -> dict[int, tuple[Tensor, Tensor]]:
+        """Per drafter layer, the target KV as that layer reads it: ``{layer: (K, V)}``, ``[B, kvH, n, D]``."""
+        return {}
+
+    def run_layers(self, x: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, ctx) -> Tensor:
+        for li, layer in enumerate(self.layers):
+            x = layer(x, emb, cos, sin, ctx, li)
+        return x
+
+    # -------------------------------------------------------------------------------------------- training
+
+    def forward(
+        self,
+        batch: TrainBatch,
+        n_steps: int,
+        detach_chain: bool = False,
+        recorder=None,
+        branches: Tensor | None = None,
+    ) -> Unrolled:
+        """Unroll ``n_steps`` draft steps over the batch's branches at once (EAGLE-3's TTT layout).
+
+        Step 0 runs every branch (it also builds the hidden/hybrid drafters' own context cache). Steps
+        ``>= 1`` run the branches ``branches [M]`` (sorted indices; ``None`` = all, which is EAGLE-3): a
+        random subset gives an unbiased loss for a fraction of the cost, each kept branch being exact.
+        """
+        B, T = batch.ids.shape
+        N = T - 1
+        dev = self.head.device
+        injected = {}
+        if self.cfg.uses_target_kv:
+            injected = self.inject(batch.keys.float(), batch.values.float(), torch.arange(T, device=dev))
+        ctx = UnrollContext(
+            N,
+            dev,
+            injected,
+            own_context=self.cfg.uses_hidden,
+            target_in_self=self.paradigm == "kv",
+            recorder=recorder,
+            branches=branches,
+        )
+        pos = torch.arange(1, T, device=dev)  # index i -> position i+1  [N]
+        fused = self.fuse(batch.hidden[:, :N].float()) if self.cfg.uses_hidden else None  # [B, N, H]
+        feat, outs, rows = fused, [], []
+        for k in range(n_steps):
+            sel = None if k == 0 else branches
+            ctx.step = k
+            ids = shifted(batch.ids, 1 + k, N)  # x_{i+1+k}  [B, N]
+            p = pos + k
+            if sel is not None:
+                ids, p = ids[:, sel], p[sel]  # [B, M], [M]
+                if k == 1 and feat is not None:
+                    feat = feat[:, sel]  # [B, M, H]
+            emb = self.embed(ids)  # [B, n, H]
+            cos, sin = self.rope(p)
+            h = self.run_layers(feat if self.cfg.uses_hidden else emb, emb, cos, sin, ctx)  # [B, n, H]
+            outs.append(h)
+            rows.append(sel)
+            if self.cfg.uses_hidden:  # deeper steps reuse the drafter's own output in place of the target's
+                feat = h.detach() if detach_chain else h
+        return Unrolled(outs, ctx, fused, injected, rows)
+
+    # ---------------------------------------------------------------------------------------------- decode
+
+    def new_session(self):
+        from .session import TrainedDraftSession
+
+        return TrainedDraftSession(self)
+
+    def n_trainable(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)

@@ -1,0 +1,172 @@
+"""The drafter configuration: one dataclass for all three paradigms, stored as JSON next to the weights.
+
+The config holds the architecture (paradigm, depth, KV injection mode, widths), the target it was built
+for (name, architecture fingerprint, layers it reads, vocabulary size) and the draft vocabulary's size
+and hash. :func:`drafter_config_for` fills the widths from a target; :meth:`DrafterConfig.check_target`
+refuses a target the drafter was not built for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+PARADIGMS = ("hidden", "kv", "hybrid")
+KV_MODES = ("concat", "linear", "linear_rope")
+REGIMES = ("tf", "ttt", "block")
+FORMAT = "kvshot-drafter/1"
+
+
+class DrafterConfigError(ValueError):
+    """A drafter configuration (or parameter dict) is invalid; the message says which field and why."""
+
+
+class DrafterTargetMismatch(ValueError):
+    """A drafter is being used with a target other than the one it was trained for."""
+
+
+@dataclass
+class DrafterConfig:
+    paradigm: str  # "hidden" | "kv" | "hybrid"
+    n_layers: int
+    hidden_size: int
+    intermediate_size: int
+    n_heads: int  # self-attention query heads (hidden, hybrid)
+    n_kv_heads: int  # self-attention KV heads (hidden, hybrid)
+    head_dim: int
+    kv_mode: str  # target-KV injection (kv, hybrid): "concat" | "linear" | "linear_rope"
+    hidden_layers: tuple[int, ...]  # target layers fused by fc (hidden, hybrid); () for kv
+    kv_layers: tuple[int, ...]  # target layers whose KV is read (kv, hybrid); () for hidden
+    target_n_kv_heads: int
+    target_head_dim: int
+    query_group: int  # queries per injected KV head (kv, hybrid cross-attention)
+    draft_vocab_size: int
+    rms_norm_eps: float
+    target_name: str
+    target_fingerprint: str
+    target_vocab_size: int
+    target_n_layers: int
+    vocab_hash: str = ""
+    name: str = ""
+    regime: str = ""
+    format: str = FORMAT
+    extra: dict = field(default_factory=dict)  # training metadata (steps, data, seed, times)
+
+    def __post_init__(self):
+        self.hidden_layers = tuple(int(x) for x in self.hidden_layers)
+        self.kv_layers = tuple(int(x) for x in self.kv_layers)
+        self.validate()
+
+    @property
+    def uses_hidden(self) -> bool:
+        return self.paradigm in ("hidden", "hybrid")
+
+    @property
+    def uses_target_kv(self) -> bool:
+        return self.paradigm in ("kv", "hybrid")
+
+    @property
+    def n_injected_heads(self) -> int:
+        """KV heads of the injected target KV: every chosen layer's heads side by side."""
+        return len(self.kv_layers) * self.target_n_kv_heads
+
+    def validate(self) -> None:
+        def bad(msg: str):
+            raise DrafterConfigError(msg)
+
+        if self.format != FORMAT:
+            bad(f"format {self.format!r} is not {FORMAT!r}; this checkpoint was written by another version.")
+        if self.paradigm not in PARADIGMS:
+            bad(f"paradigm must be one of {PARADIGMS}, got {self.paradigm!r}.")
+        if self.regime and self.regime not in REGIMES:
+            bad(f"regime must be one of {REGIMES}, got {self.regime!r}.")
+        if self.kv_mode not in KV_MODES:
+            bad(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}.")
+        top = 4 if self.paradigm == "kv" else 8
+        if not isinstance(self.n_layers, int) or not 1 <= self.n_layers <= top:
+            bad(
+                f"n_layers must be an integer in 1..{top} for the {self.paradigm} drafter, got {self.n_layers!r}."
+            )
+        if self.uses_hidden and not self.hidden_layers:
+            bad(f"the {self.paradigm} drafter needs hidden_layers (target layers to fuse).")
+        if self.uses_target_kv and not self.kv_layers:
+            bad(f"the {self.paradigm} drafter needs kv_layers (target layers whose KV it reads).")
+        for name in ("hidden_layers", "kv_layers"):
+            layers = getattr(self, name)
+            if any(not 0 <= x < self.target_n_layers for x in layers):
+                bad(
+                    f"{name}={list(layers)} must lie in 0..{self.target_n_layers - 1} (the target's decoder layers)."
+                )
+        if not 1 <= self.draft_vocab_size <= self.target_vocab_size:
+            bad(f"draft_vocab_size must be in 1..{self.target_vocab_size}, got {self.draft_vocab_size}.")
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["hidden_layers"], d["kv_layers"] = list(self.hidden_layers), list(self.kv_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DrafterConfig:
+        names = {f.name for f in fields(cls)}
+        missing = sorted(
+            n for n in names if n not in d and n not in ("vocab_hash", "name", "regime", "format", "extra")
+        )
+        if missing:
+            raise DrafterConfigError(f"drafter config lacks {missing}; it is not a {FORMAT} config.")
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise DrafterConfigError(f"drafter config has unknown fields {unknown}.")
+        return cls(**d)
+
+    def check_target(self, info, where: str = "this drafter") -> None:
+        """Raise :class:`DrafterTargetMismatch` unless ``info`` (a TargetInfo) is the target of this config."""
+        if info.fingerprint != self.target_fingerprint or info.vocab_size != self.target_vocab_size:
+            raise DrafterTargetMismatch(
+                f"{where} was trained for target {self.target_name!r} (architecture fingerprint "
+                f"{self.target_fingerprint}, vocab {self.target_vocab_size}), but the target passed is {info.name!r} "
+                f"(fingerprint {info.fingerprint}, vocab {info.vocab_size}). Load the matching target, e.g. "
+                f"load_target({self.target_name!r}), or train a drafter for {info.name!r}."
+            )
+
+
+def drafter_config_for(
+    target,
+    paradigm: str,
+    n_layers: int = 1,
+    kv_mode: str = "concat",
+    hidden_layers=None,
+    kv_layers=None,
+    draft_vocab_size: int = 8192,
+    query_group: int | None = None,
+    name: str = "",
+    regime: str = "",
+) -> DrafterConfig:
+    """A drafter config whose widths follow the target's (as EAGLE-3 does). ``target`` is a loaded Target."""
+    info = target.info
+    if paradigm not in PARADIGMS:
+        raise DrafterConfigError(f"paradigm must be one of {PARADIGMS}, got {paradigm!r}.")
+    default_layers = tuple(info.default_hidden_layers())
+    hidden_layers = tuple(hidden_layers or default_layers) if paradigm != "kv" else ()
+    kv_layers = tuple(kv_layers or default_layers) if paradigm != "hidden" else ()
+    return DrafterConfig(
+        paradigm=paradigm,
+        n_layers=n_layers,
+        hidden_size=info.hidden_size,
+        intermediate_size=int(target.model.config.intermediate_size),
+        n_heads=info.n_heads,
+        n_kv_heads=info.n_kv_heads,
+        head_dim=info.head_dim,
+        kv_mode=kv_mode,
+        hidden_layers=hidden_layers,
+        kv_layers=kv_layers,
+        target_n_kv_heads=info.n_kv_heads,
+        target_head_dim=info.head_dim,
+        query_group=query_group or max(1, info.n_heads // info.n_kv_heads),
+        draft_vocab_size=min(draft_vocab_size, info.vocab_size),
+        rms_norm_eps=1e-5,
+        target_name=info.name,
+        target_fingerprint=info.fingerprint,
+        target_vocab_size=info.vocab_size,
+        target_n_layers=info.n_layers,
+        name=name,
+        regime=regime,
+    )

@@ -1,0 +1,90 @@
+"""The KV-only drafter: its attention reads the target's KV cache directly.
+
+* Each layer's queries come from the drafter's own state (layer 1: the embedding of the current token).
+* Its keys/values are the target's cached K/V of the chosen layers for the whole context, side by side
+  (``n_kv_layers * kvH`` heads of the target's head dim), plus its own K/V for the root and the tokens it
+  has drafted in the current branch, in the same head layout and in one softmax.
+* How the target's KV enters (``kv_mode``), per drafter layer:
+  - ``concat``: the heads as they are (post-RoPE, exactly what the cache holds);
+  - ``linear``: a learned linear map of all heads together, on the stored post-RoPE K/V;
+  - ``linear_rope``: RoPE is undone, the keys are mapped linearly, and RoPE is re-applied at the same
+    positions (so relative positions survive the map). Values are mapped as in ``linear``.
+  Both maps start at the identity, i.e. as ``concat``.
+* There are no hidden states: at deeper steps the drafter sees its own earlier K/V through attention.
+* Depth is 1..4 layers; every layer reads the target's KV through its own injector.
+* Queries: ``query_group`` per injected KV head (default: the target's GQA group), so each query head
+  corresponds to one (target layer, target query head) pair.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .attention import MLP, Attention, RMSNorm, apply_rope, segmented_attention, undo_rope
+from .common import TrainableDrafter
+from .config import DrafterConfig
+
+
+class KVInjector(nn.Module):
+    """Maps the target's stored K/V ``[B, n, heads, D]`` into the drafter's attention: ``[B, heads, n, D]``."""
+
+    def __init__(self, mode: str, n_heads: int, head_dim: int):
+        super().__init__()
+        self.mode = mode
+        if mode != "concat":
+            dim = n_heads * head_dim
+            self.k_map = nn.Linear(dim, dim, bias=False)
+            self.v_map = nn.Linear(dim, dim, bias=False)
+            with torch.no_grad():
+                self.k_map.weight.copy_(torch.eye(dim))
+                self.v_map.weight.copy_(torch.eye(dim))
+
+    def forward(self, keys: Tensor, values: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = keys.transpose(1, 2), values.transpose(1, 2)  # [B, heads, n, D]
+        if self.mode == "concat":
+            return k, v
+        if self.mode == "linear_rope":
+            k = undo_rope(k, cos, sin)  # [B, heads, n, D] pre-RoPE keys
+        k, v = self._map(self.k_map, k), self._map(self.v_map, v)
+        if self.mode == "linear_rope":
+            k = apply_rope(k, cos, sin)
+        return k, v
+
+    @staticmethod
+    def _map(lin: nn.Linear, x: Tensor) -> Tensor:
+        B, h, n, D = x.shape
+        y = lin(x.transpose(1, 2).reshape(B, n, h * D))  # [B, n, heads*D]
+        return y.view(B, n, h, D).transpose(1, 2)  # [B, heads, n, D]
+
+
+class KVLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        n_inj, D = cfg.n_injected_heads, cfg.target_head_dim
+        self.input_norm = RMSNorm(H, eps)
+        self.self_attn = Attention(H, H, n_inj * cfg.query_group, n_inj, D)
+        self.inject = KVInjector(cfg.kv_mode, n_inj, D)
+        self.post_norm = RMSNorm(H, eps)
+        self.mlp = MLP(H, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, ctx, li: int) -> Tensor:
+        a = self.input_norm(x)  # [B, n, H]
+        q = self.self_attn.query(a, cos, sin)  # [B, h, n, D]
+        k, v = self.self_attn.key_value(a, cos, sin)  # [B, n_inj, n, D]
+        o = segmented_attention(
+            q, ctx.self_segments(li, k, v), ctx.recorder
+        )  # target KV + own KV, one softmax
+        h = x + self.self_attn.out(o)  # [B, n, H]
+        return h + self.mlp(self.post_norm(h))
+
+
+class KVDrafter(TrainableDrafter):
+    def __init__(self, cfg: DrafterConfig, target, d2t: Tensor):
+        super().__init__(cfg, target, d2t)
+        self.layers = nn.ModuleList(KVLayer(cfg) for _ in range(cfg.n_layers))
+
+    def inject(self, keys: Tensor, values: Tensor, positions: Tensor) -> dict[int, tuple[Tensor, Tensor]]:
+        cos, sin = self.rope(positions)
+        return {li: layer.inject(keys, values, cos, sin) for li, layer in enumerate(self.layers)}

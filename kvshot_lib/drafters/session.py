@@ -1,0 +1,208 @@
+"""Decode-time sessions of the trained drafters (the :class:`~kvshot_lib.drafters.base.DraftSession` contract).
+
+One class serves the three paradigms: it is the attention context the drafter's layers ask for segments,
+exactly as :class:`~kvshot_lib.drafters.unroll.UnrollContext` is during training, so decoding computes what
+training computed (``tests/test_drafters_session.py`` checks that step by step).
+
+State, all preallocated and grown by doubling:
+
+* ``own_k/own_v[layer] [1, kvH, cap, D]``: the drafter's own K/V. Hidden/hybrid: rows ``0..P-1`` hold
+  positions ``1..P`` (feature of ``t`` paired with token ``t+1``), computed once as features arrive; KV-only:
+  row 0 holds the root. Rows after that hold the current cycle's draft-tree nodes.
+* ``tgt_k/tgt_v[layer] [1, heads, cap, D]`` (KV-only, hybrid): the target's KV of the chosen layers as the
+  layer reads it (after its injector); only positions new since the last cycle are read from the cache.
+* the tree: each node's ancestor row (it sees its ancestors and itself), depth and output hidden state.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .attention import Segment
+
+
+def _grow(buf: Tensor, need: int, dim: int) -> Tensor:
+    if buf.shape[dim] >= need:
+        return buf
+    shape = list(buf.shape)
+    shape[dim] = max(need, 2 * shape[dim])
+    new = buf.new_zeros(shape)
+    new.narrow(dim, 0, buf.shape[dim]).copy_(buf)
+    return new
+
+
+class TrainedDraftSession:
+    recorder = None  # the layers' attention recorder hook: never used at decode time
+
+    def __init__(self, drafter, capacity: int = 512, node_capacity: int = 64):
+        d = self.d = drafter
+        cfg = d.cfg
+        self.d2t: Tensor | None = d.d2t
+        self.hidden_layers: tuple[int, ...] = tuple(d.hidden_layers)
+        self.kv_only = cfg.paradigm == "kv"
+        dev, dt = d.head.device, d.head.dtype
+        kvh, D = (
+            (cfg.n_injected_heads, cfg.target_head_dim) if self.kv_only else (cfg.n_kv_heads, cfg.head_dim)
+        )
+        L = cfg.n_layers
+        self.own_k = [torch.zeros(1, kvh, capacity, D, device=dev, dtype=dt) for _ in range(L)]
+        self.own_v = [torch.zeros(1, kvh, capacity, D, device=dev, dtype=dt) for _ in range(L)]
+        self.n_own = 0
+        if cfg.uses_target_kv:
+            nI, Dt = cfg.n_injected_heads, cfg.target_head_dim
+            self.tgt_k = [torch.zeros(1, nI, capacity, Dt, device=dev, dtype=dt) for _ in range(L)]
+            self.tgt_v = [torch.zeros(1, nI, capacity, Dt, device=dev, dtype=dt) for _ in range(L)]
+        self.n_tgt = 0
+        self.anc = torch.zeros(node_capacity, node_capacity, dtype=torch.bool, device=dev)
+        self.depth = torch.zeros(node_capacity, dtype=torch.long, device=dev)
+        self.node_out = torch.zeros(node_capacity, cfg.hidden_size, device=dev, dtype=dt)
+        self.n_nodes = 0
+        self.P = -1
+        self.root_out: Tensor | None = None
+        self._mode = "context"
+        self._rows = (0, 0)
+        self._own_mask: Tensor | None = None
+        self._tgt_mask: Tensor | None = None
+
+    # ------------------------------------------------------------------ the attention context the layers use
+
+    def _write_own(self, li: int, k: Tensor, v: Tensor) -> None:
+        r0, r1 = self._rows
+        if self.own_k[li].shape[2] < r1:
+            self.own_k[li], self.own_v[li] = _grow(self.own_k[li], r1, 2), _grow(self.own_v[li], r1, 2)
+        self.own_k[li][:, :, r0:r1] = k
+        self.own_v[li][:, :, r0:r1] = v
+
+    def _target_segment(self, li: int, mask: Tensor | None) -> Segment:
+        return Segment(self.tgt_k[li][:, :, : self.n_tgt], self.tgt_v[li][:, :, : self.n_tgt], "dense", mask)
+
+    def self_segments(self, li: int, k: Tensor, v: Tensor) -> list[Segment]:
+        self._write_own(li, k, v)
+        ok, ov = self.own_k[li], self.own_v[li]
+        segs = [self._target_segment(li, None)] if self.kv_only else []
+        if self._mode == "context":
+            r1 = self._rows[1]
+            segs.append(Segment(ok[:, :, :r1], ov[:, :, :r1], "dense", self._own_mask))
+        else:
+            n0, (r0, r1) = self.n_own, self._rows
+            m0, m1 = r0 - n0, r1 - n0
+            segs.append(Segment(ok[:, :, :n0], ov[:, :, :n0], "dense", None))
+            segs.append(Segment(ok[:, :, n0:r1], ov[:, :, n0:r1], "dense", self.anc[m0:m1, :m1]))
+        return segs
+
+    def cross_segments(self, li: int) -> list[Segment]:
+        return [self._target_segment(li, self._tgt_mask if self._mode == "context" else None)]
+
+    # ------------------------------------------------------------------------------------- the contract
+
+    @torch.inference_mode()
+    def start_cycle(self, committed: Tensor, view) -> Tensor:
+        d = self.d
+        committed = committed.to(self.anc.device)
+        P = committed.shape[1] - 1
+        self.P, self.n_nodes, self._mode = P, 0, "context"
+        if d.cfg.uses_target_kv:
+            self._ingest_target(view.cache, P)
+        if d.cfg.uses_hidden:
+            feats = torch.cat([view.hidden[layer][0] for layer in self.hidden_layers], dim=-1)  # [n_new, 3H]
+            n_new = feats.shape[0]
+            r0 = P - n_new  # own row of the first new position (row = position - 1)
+            if r0 > self.n_own:
+                raise ValueError(
+                    f"drafter session: hidden states for positions {self.n_own}..{r0 - 1} were never "
+                    f"given (view.hidden covers {r0}..{P - 1}); pass every newly committed position."
+                )
+            positions = torch.arange(r0 + 1, P + 1, device=self.anc.device)  # [n_new]
+            x = d.fuse(feats.to(d.head.dtype))[None]  # [1, n_new, H]
+            emb = d.embed(committed[:, r0 + 1 : P + 1])  # [1, n_new, H]
+            self._rows = (r0, P)
+            rows = torch.arange(n_new, device=positions.device)[:, None]
+            self._own_mask = (
+                (torch.arange(P, device=positions.device)[None] <= r0 + rows) if n_new > 1 else None
+            )
+            self._tgt_mask = (
+                torch.arange(self.n_tgt, device=positions.device)[None] < positions[:, None]
+                if n_new > 1 and d.cfg.uses_target_kv
+                else None
+            )
+            cos, sin = d.rope(positions)
+            h = d.run_layers(x, emb, cos, sin, self)  # [1, n_new, H]
+            self.n_own = P
+        else:  # KV-only: the context is the target's KV; own K/V start at the root
+            self._rows, self._own_mask, self.n_own = (0, 1), None, 0
+            emb = d.embed(committed[:, P : P + 1])  # [1, 1, H]
+            cos, sin = d.rope(torch.tensor([P], device=self.anc.device))
+            h = d.run_layers(emb, emb, cos, sin, self)
+            self.n_own = 1
+        self.root_out = h[0, -1]  # [H]
+        return d.logits(self.root_out)  # [V_draft]
+
+    @torch.inference_mode()
+    def expand(self, tokens: Tensor, parents: Tensor) -> Tensor:
+        tokens, parents = tokens.to(self.anc.device).long(), parents.to(self.anc.device).long()
+        n = tokens.shape[0]
+        if n and int(parents.max()) >= self.n_nodes:  # a parent added in this same call: go level by level
+            ready = parents < self.n_nodes
+            cut = int(torch.nonzero(~ready)[0]) if not bool(ready.all()) else n
+            first = self.expand(tokens[:cut], parents[:cut]) if cut else tokens.new_zeros(0, self.d2t.numel())
+            return torch.cat([first, self.expand(tokens[cut:], parents[cut:])])
+        return self._expand(tokens, parents)
+
+    def _expand(self, tokens: Tensor, parents: Tensor) -> Tensor:
+        d = self.d
+        n, m0 = tokens.shape[0], self.n_nodes
+        m1 = m0 + n
+        if self.anc.shape[0] < m1:
+            self.anc = _grow(_grow(self.anc, m1, 0), m1, 1)
+            self.depth, self.node_out = _grow(self.depth, m1, 0), _grow(self.node_out, m1, 0)
+        has_parent = parents >= 0
+        par = parents.clamp(min=0)
+        depth = torch.where(has_parent, self.depth[par] + 1, torch.zeros_like(par))  # [n]
+        rows = self.anc[par, :m1] & has_parent[:, None]  # [n, m1] the parents' ancestors
+        rows[torch.arange(n, device=rows.device), m0 + torch.arange(n, device=rows.device)] = True
+        self.anc[m0:m1, :m1] = rows
+        self.depth[m0:m1] = depth
+        positions = self.P + 1 + depth  # [n]
+        emb = d.embed(tokens)[None]  # [1, n, H]
+        if d.cfg.uses_hidden:
+            x = torch.where(has_parent[:, None], self.node_out[par], self.root_out[None])[None]  # [1, n, H]
+        else:
+            x = emb
+        self._mode, self._rows = "tree", (self.n_own + m0, self.n_own + m1)
+        cos, sin = d.rope(positions)
+        h = d.run_layers(x, emb, cos, sin, self)[0]  # [n, H]
+        self.node_out[m0:m1] = h
+        self.n_nodes = m1
+        return d.logits(h)  # [n, V_draft]
+
+    def end_cycle(self) -> None:
+        self.n_nodes = 0
+        self._mode = "context"
+
+    # ----------------------------------------------------------------------------------------- internals
+
+    def _ingest_target(self, cache, P: int) -> None:
+        d = self.d
+        layers = d.cfg.kv_layers
+        have = cache.layers[layers[0]].keys.shape[2]
+        if have < P:
+            raise ValueError(
+                f"drafter session: the target cache holds {have} positions, the contract says {P}."
+            )
+        if self.n_tgt > P:
+            self.n_tgt = 0  # a new context: re-read everything
+        if self.n_tgt == P:
+            return
+        a = self.n_tgt
+        keys = torch.cat([cache.layers[layer].keys[:, :, a:P] for layer in layers], dim=1)  # [1, nI, n, D]
+        values = torch.cat([cache.layers[layer].values[:, :, a:P] for layer in layers], dim=1)
+        keys = keys.transpose(1, 2).to(d.head.dtype)  # [1, n, nI, D], the feature-store layout
+        values = values.transpose(1, 2).to(d.head.dtype)
+        injected = d.inject(keys, values, torch.arange(a, P, device=keys.device))
+        for li, (k, v) in injected.items():
+            if self.tgt_k[li].shape[2] < P:
+                self.tgt_k[li], self.tgt_v[li] = _grow(self.tgt_k[li], P, 2), _grow(self.tgt_v[li], P, 2)
+            self.tgt_k[li][:, :, a:P] = k
+            self.tgt_v[li][:, :, a:P] = v
+        self.n_tgt = P

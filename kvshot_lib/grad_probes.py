@@ -1,0 +1,246 @@
+"""Gradient probes: how much training signal reaches each part of a drafter (for notebook 05).
+
+Parameter groups, kept separate (:func:`param_group` maps a parameter name to its group):
+
+``kv_proj`` the drafter's own K/V projections · ``q_proj`` its Q projections (self and cross) ·
+``o_proj`` its O projections · ``mlp`` · ``fusion`` (the fc over the target's hidden states) ·
+``gate`` (the hybrid's gated correction) · ``kv_inject`` (learned maps of the target's KV) · ``norm``.
+
+Per group and probe step (:class:`GradProbe`, after ``backward``, before any gradient scaling or clipping):
+
+* ``l2``: the L2 norm of the group's gradient; ``rms``: its root mean square;
+* ``frac_small``: the fraction of entries with ``|g| < rel_threshold * rms(g)`` (default 1e-2);
+* ``hoyer``: Hoyer sparsity ``(sqrt(n) - |g|_1/|g|_2) / (sqrt(n) - 1)``, 0 = all equal, 1 = one non-zero;
+* ``n_positions``: token positions (one per application of the group's layers: batch row, index, unrolled
+  step) whose output received any non-zero gradient, out of ``n_positions_total`` valid ones.
+
+Per own-K/V position (layer, unrolled step the key was made at): the norm of the gradient reaching that
+key and value, and the attention it received (summed over heads and every query that saw it), with their
+Spearman correlation; plus each segment's share of the attention mass (target KV, own KV, the first
+"sink" position). The softmax weights a key's gradient by the attention it receives, so if the drafter
+looks mostly at the target's KV or a sink, its own K/V positions get little gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch import Tensor, nn
+
+GROUPS = ("kv_proj", "q_proj", "o_proj", "mlp", "fusion", "gate", "kv_inject", "norm")
+
+
+def param_group(name: str) -> str:
+    """The probe group of a drafter parameter (by its ``named_parameters`` name)."""
+    if ".mlp." in name:
+        return "mlp"
+    if name.startswith("fc."):
+        return "fusion"
+    if ".gate." in name:
+        return "gate"
+    if ".inject." in name:
+        return "kv_inject"
+    if ".k_proj." in name or ".v_proj." in name:
+        return "kv_proj"
+    if ".q_proj." in name:
+        return "q_proj"
+    if ".o_proj." in name:
+        return "o_proj"
+    if "norm" in name:
+        return "norm"
+    return "other"
+
+
+def grouped_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    groups: dict[str, list] = defaultdict(list)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups[param_group(name)].append((name, p))
+    return dict(groups)
+
+
+def grad_stats(grads: list[Tensor], rel_threshold: float = 1e-2) -> dict:
+    """L2, RMS, fraction of small entries and Hoyer sparsity of a group's gradient (all entries together)."""
+    g = torch.cat([x.detach().float().flatten() for x in grads])
+    n = g.numel()
+    l2 = g.norm().item()
+    l1 = g.abs().sum().item()
+    rms = l2 / math.sqrt(n)
+    frac_small = (g.abs() < rel_threshold * rms).float().mean().item() if rms > 0 else 1.0
+    hoyer = (math.sqrt(n) - l1 / l2) / (math.sqrt(n) - 1) if l2 > 0 and n > 1 else 1.0
+    return dict(l2=l2, rms=rms, frac_small=frac_small, hoyer=hoyer, n_params=n)
+
+
+def spearman(a: Tensor, b: Tensor) -> float:
+    """Spearman rank correlation of two 1-D tensors (nan if either is constant)."""
+    if a.numel() < 3:
+        return float("nan")
+    ra = a.argsort().argsort().float()
+    rb = b.argsort().argsort().float()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    den = ra.norm() * rb.norm()
+    return float((ra @ rb / den).item()) if den > 0 else float("nan")
+
+
+class GradProbe:
+    """Collects one training step's gradient statistics. Use as a context manager around forward+backward.
+
+    It installs forward hooks on the drafter's Linear layers (removed in ``finally``) and is passed to the
+    drafter's forward as ``recorder`` so that attention weights and own K/V tensors are recorded.
+    """
+
+    def __init__(
+        self,
+        drafter: nn.Module,
+        valid: Tensor,
+        rel_threshold: float = 1e-2,
+        keep_samples: int = 0,
+        branches: Tensor | None = None,
+    ):
+        self.drafter = drafter
+        self.valid = valid  # [B, N] bool: index i is a real branch (i < length - 1)
+        B, N = valid.shape
+        self._valid_by_len = {
+            N: valid,
+            N + 1: torch.cat([valid[:, :1], valid], dim=1),
+        }  # target KV rows: T = N+1
+        if branches is not None:
+            self._valid_by_len.setdefault(len(branches), valid[:, branches])  # steps >= 1: the kept branches
+        self.rel_threshold = rel_threshold
+        self.keep_samples = keep_samples
+        self.positions: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # group -> [nonzero, total]
+        self.received: dict[tuple, Tensor] = {}
+        self.mass: dict[tuple, list[float]] = defaultdict(
+            lambda: [0.0, 0.0, 0.0]
+        )  # tag -> [mass, sink, rows]
+        self.own: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        self._handles: list = []
+
+    # -------------------------------------------------------------------------------- recording (forward)
+
+    def __enter__(self):
+        for name, mod in self.drafter.named_modules():
+            if isinstance(mod, nn.Linear):
+                group = param_group(name + ".weight")
+                self._handles.append(mod.register_forward_hook(self._linear_hook(group)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _linear_hook(self, group: str):
+        def hook(_mod, _inp, out):
+            valid = self._valid_by_len.get(out.shape[1]) if out.dim() == 3 else None
+            if not out.requires_grad or valid is None or out.shape[0] != valid.shape[0]:
+                return
+
+            def count(grad: Tensor):
+                nz = (grad.detach().abs().amax(-1) > 0) & valid  # [B, N]
+                self.positions[group][0] += int(nz.sum())
+                self.positions[group][1] += int(valid.sum())
+
+            out.register_hook(count)
+
+        return hook
+
+    def own_kv(self, layer: int, step: int, k: Tensor, v: Tensor) -> None:
+        if k.requires_grad:
+            k.retain_grad()
+            v.retain_grad()
+        self.own[(layer, step)] = (k, v)
+
+    def attention(self, segments: list, probs: list[Tensor]) -> None:
+        """One softmax's segments and their weights ``[B, kvH, g, n, S]`` (dense) or ``[..., n, 1]`` (diag)."""
+        kinds_seen = set()
+        for s, p in zip(segments, probs):
+            if s.tag is None:
+                continue
+            tag = s.tag
+            if s.kind == "dense":
+                rec = p.sum(dim=(1, 2, 3))  # [B, S]: attention received by each key, over heads and queries
+            else:
+                rec = p.sum(dim=(1, 2, 4))  # [B, n]
+            if s.rows is not None:  # gathered diag keys: scatter back to the tensor's positions
+                full = self.own[(tag[1], tag[2])][0].shape[2]
+                rec = rec.new_zeros(rec.shape[0], full).index_add_(1, s.rows, rec)
+            self.received[tag] = rec if tag not in self.received else self.received[tag] + rec
+            m = self.mass[tag[:2]]
+            m[0] += float(p.sum())
+            m[1] += float(p[..., 0].sum()) if s.kind == "dense" else 0.0
+            if tag[:2] not in kinds_seen:  # rows of this softmax, once per segment kind
+                kinds_seen.add(tag[:2])
+                m[2] += p.shape[0] * p.shape[1] * p.shape[2] * p.shape[3]
+
+    # ---------------------------------------------------------------------------------- results (backward)
+
+    def group_rows(self) -> list[dict]:
+        rows = []
+        for group, params in grouped_parameters(self.drafter).items():
+            grads = [p.grad for _, p in params if p.grad is not None]
+            if not grads:
+                continue
+            nz, total = self.positions.get(group, (0, 0))
+            rows.append(
+                dict(
+                    group=group,
+                    **grad_stats(grads, self.rel_threshold),
+                    n_positions=nz,
+                    n_positions_total=total,
+                )
+            )
+        return rows
+
+    def kv_rows(self) -> tuple[list[dict], list[dict]]:
+        """Per (layer, own step) K/V-position statistics, and raw (received, grad) samples if asked."""
+        rows, samples = [], []
+        for (layer, step), (k, v) in sorted(self.own.items()):
+            if k.grad is None:
+                continue
+            gk = k.grad.float().pow(2).sum(dim=(1, 3)).sqrt()  # [B, N] per-position key-gradient norm
+            gv = v.grad.float().pow(2).sum(dim=(1, 3)).sqrt()  # [B, N]
+            rec = self.received.get(("own", layer, step))
+            valid = self._valid_by_len[k.shape[2]]
+            gk, gv = gk[valid], gv[valid]
+            r = rec[valid] if rec is not None else torch.zeros_like(gk)
+            rows.append(
+                dict(
+                    layer=layer,
+                    own_step=step,
+                    grad_k_mean=float(gk.mean()),
+                    grad_v_mean=float(gv.mean()),
+                    grad_k_max=float(gk.max()),
+                    received_mean=float(r.mean()),
+                    spearman_k=spearman(r, gk),
+                    spearman_v=spearman(r, gv),
+                    frac_zero_grad=float((gk == 0).float().mean()),
+                    n_positions=int(gk.numel()),
+                )
+            )
+            if self.keep_samples:
+                idx = torch.linspace(0, gk.numel() - 1, min(self.keep_samples, gk.numel())).long()
+                samples += [
+                    dict(
+                        layer=layer,
+                        own_step=step,
+                        received=float(r[i]),
+                        grad_k=float(gk[i]),
+                        grad_v=float(gv[i]),
+                    )
+                    for i in idx.tolist()
+                ]
+        return rows, samples
+
+    def mass_rows(self) -> list[dict]:
+        """Share of attention mass per segment kind and layer: target KV, own KV, and the first (sink) key."""
+        out = []
+        for (kind, layer), (mass, sink, n_rows) in sorted(
+            self.mass.items(), key=lambda x: (x[0][1], x[0][0])
+        ):
+            out.append(
+                dict(layer=layer, segment=kind, share=mass / max(n_rows, 1), sink_share=sink / max(n_rows, 1))
+            )
+        return out

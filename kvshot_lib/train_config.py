@@ -1,0 +1,177 @@
+"""The training configuration: one dataclass, and the one place that turns a notebook's parameter dict into it.
+
+A notebook (or ``kvshot train``) describes each drafter as a dict, e.g.
+``{"paradigm": "kv", "regime": "ttt", "kv_mode": "linear_rope", "n_layers": 2}``, on top of shared
+defaults (``train_steps``, ``lr``, ...). :meth:`TrainConfig.from_params` checks every key, type and value
+and says what was wrong and what is allowed, before any long work starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from .drafters.config import KV_MODES, PARADIGMS, REGIMES
+from .grad_probes import GROUPS
+
+
+class TrainConfigError(ValueError):
+    """A training parameter is unknown, of the wrong type, or out of range."""
+
+
+@dataclass
+class TrainConfig:
+    paradigm: str  # "hidden" | "kv" | "hybrid"
+    regime: str  # "tf" (teacher forcing) | "ttt" | "block"
+    name: str = ""  # checkpoint folder name; default "<paradigm>-<regime>"
+    # architecture
+    n_layers: int = 1
+    kv_mode: str = "concat"  # "concat" | "linear" | "linear_rope"
+    query_group: int | None = None  # queries per injected KV head; None = the target's GQA group
+    hidden_layers: list[int] | None = None  # None = EAGLE-3's (1, L/2-1, L-4)
+    kv_layers: list[int] | None = None  # None = the same layers
+    draft_vocab_size: int = 8192
+    # optimization
+    train_steps: int = 300  # optimizer steps
+    batch_size: int = 2  # sequences per step (per process)
+    max_tokens: int | None = None  # crop sequences to this many tokens (None: as stored)
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5  # global-norm clipping (0 = off)
+    mixed_precision: str = "no"  # "no" | "bf16" | "fp16" | "auto" (accelerate's launch config decides)
+    seed: int = 0
+    # regime
+    ttt_steps: int = 7  # K: unrolled steps (ttt) or block length (block); teacher forcing uses 1
+    step_decay: float | None = (
+        None  # step i weighs step_decay**i; None = 0.8 (ttt); block weighs every step 1
+    )
+    feature_loss_weight: float | None = None  # None = 0 (tf, ttt), 1.0 (block; hidden and hybrid drafters)
+    kv_align_weight: float | None = None  # None = 1.0 for block, 0 otherwise
+    detach_chain: bool = False  # stop gradients between unrolled steps through the reused hidden state
+    branch_fraction: float = (
+        1.0  # share of branches unrolled past step 0 (1.0 = all, as EAGLE-3; < 1 is cheaper)
+    )
+    # remedies for the K/V-projection gradient (notebook 05)
+    grad_scale: dict = field(
+        default_factory=dict
+    )  # group -> factor applied to its gradient, e.g. {"kv_proj": 50}
+    lr_scale: dict = field(default_factory=dict)  # group -> learning-rate multiplier
+    # logging
+    eval_every: int = 100
+    eval_sequences: int = 32
+    eval_steps: int = 7  # draft steps evaluated on the held-out slice (0..eval_steps-1)
+    eval_branch_fraction: float = 1.0  # share of held-out branches evaluated past step 0
+    probe_every: int = 10  # gradient probes every n steps (0 = off)
+    probe_rel_threshold: float = 1e-2
+    probe_samples: int = 2000  # raw (attention, gradient) pairs kept from the last probe
+    save_every: int = 50  # resumable state every n steps
+
+    def __post_init__(self):
+        if not self.name:
+            self.name = f"{self.paradigm}-{self.regime}"
+        self.adam_betas = tuple(self.adam_betas)
+        if self.step_decay is None:
+            self.step_decay = 0.8 if self.regime != "block" else 1.0
+        if self.feature_loss_weight is None:
+            self.feature_loss_weight = 1.0 if self.regime == "block" and self.paradigm != "kv" else 0.0
+        if self.kv_align_weight is None:
+            self.kv_align_weight = 1.0 if self.regime == "block" else 0.0
+        self.validate()
+
+    @property
+    def n_train_steps(self) -> int:
+        """Unrolled draft steps per training forward."""
+        return 1 if self.regime == "tf" else self.ttt_steps
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["adam_betas"] = list(self.adam_betas)
+        return d
+
+    def validate(self) -> None:
+        def bad(msg):
+            raise TrainConfigError(f"drafter {self.name!r}: {msg}")
+
+        if self.paradigm not in PARADIGMS:
+            bad(f"paradigm must be one of {PARADIGMS}, got {self.paradigm!r}.")
+        if self.regime not in REGIMES:
+            bad(
+                f"regime must be one of {REGIMES} (teacher forcing, training-time test, block-wise), got {self.regime!r}."
+            )
+        if self.kv_mode not in KV_MODES:
+            bad(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}.")
+        top = 4 if self.paradigm == "kv" else 8
+        if not 1 <= self.n_layers <= top:
+            bad(f"n_layers must be in 1..{top} for the {self.paradigm} drafter, got {self.n_layers}.")
+        for name in (
+            "train_steps",
+            "batch_size",
+            "ttt_steps",
+            "eval_steps",
+            "eval_sequences",
+            "draft_vocab_size",
+        ):
+            if getattr(self, name) < 1:
+                bad(f"{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("branch_fraction", "eval_branch_fraction"):
+            if not 0 < getattr(self, name) <= 1:
+                bad(f"{name} must be in (0, 1], got {getattr(self, name)}.")
+        if not self.lr > 0:
+            bad(f"lr must be > 0, got {self.lr}.")
+        if self.max_tokens is not None and self.max_tokens < 2 + self.n_train_steps:
+            bad(f"max_tokens={self.max_tokens} is too short for {self.n_train_steps} draft steps.")
+        if self.mixed_precision not in ("no", "bf16", "fp16", "auto"):
+            bad(f"mixed_precision must be 'no', 'bf16', 'fp16' or 'auto', got {self.mixed_precision!r}.")
+        for name in ("grad_scale", "lr_scale"):
+            d = getattr(self, name)
+            unknown = sorted(set(d) - set(GROUPS))
+            if unknown:
+                bad(f"{name} names unknown parameter groups {unknown}; groups are {GROUPS}.")
+            if any(not isinstance(v, (int, float)) or v <= 0 for v in d.values()):
+                bad(f"{name} factors must be positive numbers, got {d}.")
+
+    @classmethod
+    def from_params(cls, params: dict, defaults: dict | None = None) -> TrainConfig:
+        """Build from a notebook-style dict (``params`` over ``defaults``), checking names and types."""
+        merged = {**(defaults or {}), **params}
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(merged) - set(known))
+        label = merged.get("name") or f"{merged.get('paradigm')}-{merged.get('regime')}"
+        if unknown:
+            raise TrainConfigError(
+                f"drafter {label!r}: unknown parameters {unknown}. Known: {sorted(known)}."
+            )
+        for req in ("paradigm", "regime"):
+            if req not in merged:
+                raise TrainConfigError(
+                    f"drafter {label!r}: missing {req!r} (one of "
+                    f"{PARADIGMS if req == 'paradigm' else REGIMES})."
+                )
+        for name, value in merged.items():
+            _check_type(label, name, value, cls.__dataclass_fields__[name].type)
+        return cls(**merged)
+
+
+def _check_type(label: str, name: str, value, annotation: str) -> None:
+    ann = str(annotation)
+    ok = True
+    if value is None:
+        ok = "None" in ann
+    elif ann.startswith("int"):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif ann.startswith("float"):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif ann == "str":
+        ok = isinstance(value, str)
+    elif ann == "bool":
+        ok = isinstance(value, bool)
+    elif ann == "dict":
+        ok = isinstance(value, dict)
+    elif ann.startswith("list") or ann.startswith("tuple"):
+        ok = isinstance(value, (list, tuple))
+    if not ok:
+        raise TrainConfigError(
+            f"drafter {label!r}: {name} must be {ann}, got {value!r} ({type(value).__name__})."
+        )

@@ -1,0 +1,121 @@
+"""Batches for drafter training, from the feature store (or straight from a target, for tests).
+
+:class:`StoreBatches` turns a :class:`~kvshot_lib.features.FeatureStore` into padded
+:class:`~kvshot_lib.drafters.unroll.TrainBatch` es in a deterministic order: an endless stream of seeded
+per-epoch permutations, where optimizer step ``s`` takes stream items ``s*B .. (s+1)*B - 1``. The data
+position is therefore a function of the step alone, which is what makes resuming exact; with several
+processes (``accelerate launch``) process ``r`` takes every ``world``-th item of the global batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .capture import capture
+from .drafters.unroll import TrainBatch
+
+
+def store_fields(cfg) -> list[str]:
+    """The feature-store fields a drafter of config ``cfg`` trains on."""
+    fields = ["input_ids", "loss_mask", "final_hidden"]
+    fields += [f"hidden.{layer}" for layer in cfg.hidden_layers]
+    for layer in cfg.kv_layers:
+        fields += [f"keys.{layer}", f"values.{layer}"]
+    return fields
+
+
+def collate(seqs: list[dict[str, Tensor]], cfg, max_tokens: int | None = None) -> TrainBatch:
+    """Pad feature-store sequences (token axis first) into a :class:`TrainBatch`."""
+    if max_tokens:
+        seqs = [{k: v[:max_tokens] for k, v in s.items()} for s in seqs]
+    lengths = torch.tensor([len(s["input_ids"]) for s in seqs], dtype=torch.int64)
+    T = int(lengths.max())
+
+    def pad(name: str, dtype=None) -> Tensor:
+        first = seqs[0][name]
+        out = first.new_zeros((len(seqs), T, *first.shape[1:]))
+        for b, s in enumerate(seqs):
+            out[b, : len(s[name])] = s[name]
+        return out if dtype is None else out.to(dtype)
+
+    def side_by_side(prefix: str, layers) -> Tensor | None:
+        if not layers:
+            return None
+        return torch.cat([pad(f"{prefix}.{layer}", torch.float32) for layer in layers], dim=2)
+
+    hidden = None
+    if cfg.hidden_layers:
+        hidden = torch.cat([pad(f"hidden.{layer}", torch.float32) for layer in cfg.hidden_layers], dim=-1)
+    return TrainBatch(
+        ids=pad("input_ids", torch.int64),  # [B, T]
+        loss_mask=pad("loss_mask", torch.bool),  # [B, T]
+        lengths=lengths,
+        final_hidden=pad("final_hidden", torch.float32),  # [B, T, H]
+        hidden=hidden,  # [B, T, nL*H]
+        keys=side_by_side("keys", cfg.kv_layers),  # [B, T, nKV*kvH, D]
+        values=side_by_side("values", cfg.kv_layers),
+    )
+
+
+class StoreBatches:
+    """Deterministic, resumable batches of a feature store for one process of ``world``."""
+
+    def __init__(
+        self,
+        store,
+        cfg,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world: int = 1,
+        max_tokens: int | None = None,
+        indices: list[int] | None = None,
+    ):
+        if len(store) == 0:
+            raise ValueError(f"the feature store at {store.path} holds no sequences.")
+        self.store, self.cfg, self.batch_size, self.seed = store, cfg, batch_size, seed
+        self.rank, self.world, self.max_tokens = rank, world, max_tokens
+        self.indices = np.arange(len(store)) if indices is None else np.asarray(indices)
+        self.fields = store_fields(cfg)
+        self._epochs: dict[int, np.ndarray] = {}
+
+    def _item(self, j: int) -> int:
+        n = len(self.indices)
+        epoch, pos = divmod(j, n)
+        if epoch not in self._epochs:
+            self._epochs = {epoch: np.random.default_rng([self.seed, epoch]).permutation(n)}
+        return int(self.indices[self._epochs[epoch][pos]])
+
+    def items(self, step: int) -> list[int]:
+        """Sequence indices of this process's share of optimizer step ``step``."""
+        g = self.batch_size * self.world
+        return [self._item(step * g + j) for j in range(self.rank, g, self.world)]
+
+    def batch(self, step: int) -> TrainBatch:
+        return collate(
+            [self.store.sequence(i, self.fields) for i in self.items(step)], self.cfg, self.max_tokens
+        )
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.batch_size * self.world / len(self.indices)
+
+
+@torch.no_grad()
+def batch_from_target(target, ids: Tensor, loss_mask: Tensor, cfg) -> TrainBatch:
+    """A one-sequence batch computed directly from ``target`` in its own dtype (tests, benchmarks).
+
+    ``ids``, ``loss_mask``: ``[T]``. Same content as the feature store would hold, without its storage dtype.
+    """
+    layers = sorted(set(cfg.hidden_layers) | set(cfg.kv_layers))
+    dev = next(target.model.parameters()).device
+    with capture(target.model, layers, hidden=bool(cfg.hidden_layers), kv=bool(cfg.kv_layers)) as rec:
+        out = target.model.model(input_ids=ids[None].to(dev), use_cache=False)
+    seq = {"input_ids": ids, "loss_mask": loss_mask, "final_hidden": out.last_hidden_state[0].float().cpu()}
+    for layer in cfg.hidden_layers:
+        seq[f"hidden.{layer}"] = rec.hidden_at(layer)[0].float().cpu()  # [T, H]
+    for layer in cfg.kv_layers:
+        seq[f"keys.{layer}"] = rec.keys_at(layer)[0].transpose(0, 1).float().cpu()  # [T, kvH, D]
+        seq[f"values.{layer}"] = rec.values_at(layer)[0].transpose(0, 1).float().cpu()
+    return collate([seq], cfg)

@@ -1,0 +1,133 @@
+"""Per-step held-out accuracy of a drafter: does draft step ``k`` hit the target's own next token?
+
+On the held-out slice every branch ``i`` is unrolled ``K`` steps on the ground-truth tokens (as in
+training), and step ``k``'s draft argmax, mapped back to a target id, is compared with the target's argmax
+over its *full* vocabulary at position ``i+1+k``. So the accuracy counts a miss whenever the target's
+choice lies outside the draft vocabulary; ``ceiling`` is the share of positions where it lies inside.
+Only branches whose predicted token is an assistant token count. This is acc_k of EAGLE's training logs,
+a proxy for the conditional acceptance α_k that the decoding notebooks measure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import assets
+from .drafters.unroll import TrainBatch, shifted
+from .train_data import collate, store_fields
+from .train_losses import at_rows, sample_branches, step_mask, target_probs
+
+
+@dataclass
+class EvalSet:
+    batches: list[TrainBatch]
+    target_argmax: list[torch.Tensor]  # per batch [B, T] the target's greedy next token (full vocabulary)
+
+    @classmethod
+    def build(
+        cls, store, cfg, target, n_sequences: int, batch_size: int, max_tokens: int | None = None
+    ) -> EvalSet:
+        """The first ``n_sequences`` sequences of ``store``; the target's argmax is cached on disk."""
+        n = min(n_sequences, len(store))
+        fields = store_fields(cfg)
+        seqs = [store.sequence(i, fields) for i in range(n)]
+        argmax = _target_argmax(store, target, n)
+        batches, tops = [], []
+        for a in range(0, n, batch_size):
+            part = seqs[a : a + batch_size]
+            batch = collate(part, cfg, max_tokens)
+            top = torch.zeros_like(batch.ids)  # [B, T]
+            for j, length in enumerate(batch.lengths.tolist()):
+                top[j, :length] = argmax[a + j][:length]
+            batches.append(batch)
+            tops.append(top)
+        return cls(batches, tops)
+
+
+def _target_argmax(store, target, n: int) -> list[torch.Tensor]:
+    key = json.dumps([store.manifest.get("content_hash"), str(store.path), n, target.info.fingerprint])
+    path = (
+        assets.cache_dir()
+        / "target_argmax"
+        / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".safetensors")
+    )
+    if path.is_file():
+        t = load_file(str(path))
+        return [t[str(i)] for i in range(n)]
+    head = target.model.lm_head.weight.detach()
+    out = {}
+    with torch.no_grad():
+        for i in range(n):
+            fh = store.sequence(i, ["final_hidden"])["final_hidden"].to(head.device, head.dtype)  # [T, H]
+            out[str(i)] = torch.cat([(c @ head.T).argmax(-1).cpu() for c in fh.split(256)])  # [T]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(path.with_suffix(".tmp")))
+    path.with_suffix(".tmp").rename(path)
+    return [out[str(i)] for i in range(n)]
+
+
+@torch.no_grad()
+def evaluate_per_step(
+    drafter, evals: EvalSet, n_steps: int, accelerator=None, branch_fraction: float = 1.0
+) -> dict:
+    """``acc_k`` (vs the target's full-vocabulary argmax), ``ce_k`` and ``n_k`` for k < n_steps, and ``ceiling``.
+
+    ``branch_fraction < 1`` evaluates steps >= 1 on a fixed random subset of branches (step 0 on all).
+    """
+    dev = drafter.head.device
+    hit = torch.zeros(n_steps, dtype=torch.float64)
+    ce = torch.zeros(n_steps, dtype=torch.float64)
+    cnt = torch.zeros(n_steps, dtype=torch.float64)
+    inside = torch.zeros(2, dtype=torch.float64)
+    in_vocab = torch.zeros(drafter.cfg.target_vocab_size, dtype=torch.bool, device=dev)
+    in_vocab[drafter.d2t] = True
+    for b_i, (batch, top) in enumerate(zip(evals.batches, evals.target_argmax)):
+        batch, top = batch.to(dev), top.to(dev)
+        N = batch.ids.shape[1] - 1
+        un = drafter(batch, n_steps, branches=_on(sample_branches(N, branch_fraction, seed=b_i), dev))
+        probs = target_probs(batch.final_hidden, drafter.head)  # [B, T, V_draft]
+        for k, (h, rows) in enumerate(zip(un.outs, un.rows)):
+            mask = at_rows(step_mask(batch, k), rows)  # [B, n]
+            logits = drafter.logits(h[mask])  # [M, V_draft]
+            guess = drafter.d2t[logits.argmax(-1)]  # [M] target ids
+            want = at_rows(shifted(top, 1 + k, N), rows)[mask]  # [M]
+            hit[k] += float((guess == want).sum())
+            ce[k] += float(
+                -(at_rows(shifted(probs, 1 + k, N), rows)[mask] * torch.log_softmax(logits, -1)).sum()
+            )
+            cnt[k] += float(mask.sum())
+            if k == 0:
+                inside += torch.tensor([float(in_vocab[want].sum()), float(mask.sum())], dtype=torch.float64)
+    if accelerator is not None and accelerator.num_processes > 1:
+        stacked = accelerator.reduce(torch.cat([hit, ce, cnt, inside]).to(accelerator.device), "sum").cpu()
+        hit, ce, cnt, inside = stacked.split([n_steps, n_steps, n_steps, 2])
+    out = {f"acc_{k}": float(hit[k] / max(cnt[k], 1)) for k in range(n_steps)}
+    out.update({f"ce_{k}": float(ce[k] / max(cnt[k], 1)) for k in range(n_steps)})
+    out.update({f"n_{k}": int(cnt[k]) for k in range(n_steps)})
+    out["ceiling"] = float(inside[0] / max(inside[1], 1))
+    return out
+
+
+def _on(x, dev):
+    return None if x is None else x.to(dev)
+
+
+def gate_summary(drafter) -> dict:
+    """Mean, spread and quantiles of the hybrid gate's last values (empty for other drafters)."""
+    if not hasattr(drafter, "gate_values"):
+        return {}
+    vals = drafter.gate_values()
+    if not vals:
+        return {}
+    g = torch.cat([v.flatten().float() for v in vals])
+    q = torch.quantile(
+        g[:: max(1, g.numel() // 100000)], torch.tensor([0.1, 0.5, 0.9], device=g.device)
+    ).tolist()
+    return dict(
+        gate_mean=float(g.mean()), gate_std=float(g.std()), gate_p10=q[0], gate_p50=q[1], gate_p90=q[2]
+    )

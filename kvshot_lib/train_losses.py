@@ -1,0 +1,153 @@
+"""The training objectives of the three regimes, and per-step accuracy.
+
+All three share the unrolled forward of :mod:`kvshot_lib.drafters.unroll` (step ``k`` of branch ``i``
+predicts token ``i+2+k``; its label is the target's distribution at position ``i+1+k``) and the soft
+cross-entropy against the target's distribution over the draft vocabulary (EAGLE-3: the target's logits
+restricted to the draft vocabulary, then softmax). A step's loss averages over the branches whose
+predicted token is an assistant token inside the sequence.
+
+* **Teacher forcing** (``tf``): step 0 only; optionally EAGLE's feature regression for the drafters that
+  fuse hidden states (``feature_loss_weight``): the output hidden state is regressed onto the fused
+  target feature of the next position (what step 1 would read in its place).
+* **TTT** (``ttt``): ``K`` steps (7) on the drafter's own outputs with EAGLE-3's masks; step ``i`` weighs
+  ``step_decay**i`` (0.8).
+* **Block-wise** (``block``): every branch drafts a block of ``K`` tokens with the same attention pattern as
+  TTT, and *every position of the block has its own direct target*, with weight 1 at every step:
+  - the token: soft cross-entropy at every block position (no 0.8^i decay);
+  - the drafter's own **K/V at every block position**, for every layer (``kv_align_weight``): KV-only
+    drafters regress their own K/V of a drafted position onto the target's KV at that same position (as
+    their injector presents it; a linear injector's output is detached), because the two sit in the same
+    softmax; hidden and hybrid drafters regress the K/V of drafted position ``i+1+k`` onto the (detached)
+    K/V their step 0 computed at that position from the target's real features. The K/V projections thus
+    get a dense gradient at every block position, not only what trickles back through attention;
+  - the output hidden state of every block position (hidden, hybrid; ``feature_loss_weight``) onto the
+    fused target feature of the next position, i.e. what the next block position should be reading.
+  All regressions are relative MSEs (squared error over the target's mean square), so they are scale-free.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .drafters.common import Unrolled
+from .drafters.unroll import TrainBatch, shifted
+
+
+def target_probs(final_hidden: Tensor, head: Tensor) -> Tensor:
+    """The target's next-token distribution restricted to the draft vocabulary: ``[B, T, V_draft]``."""
+    return torch.softmax(final_hidden @ head.T, dim=-1)
+
+
+def step_mask(batch: TrainBatch, k: int) -> Tensor:
+    """``[B, N]``: branch ``i`` counts at step ``k`` if token ``i+2+k`` exists and is an assistant token."""
+    B, T = batch.ids.shape
+    inside = torch.arange(T, device=batch.ids.device)[None] < batch.lengths[:, None].to(
+        batch.ids.device
+    )  # [B, T]
+    return shifted(batch.loss_mask & inside, 2 + k, T - 1, fill=False)
+
+
+def branch_valid(batch: TrainBatch, offset: int = 0) -> Tensor:
+    """``[B, N]``: index ``i + offset`` is a real branch (``i + offset < length - 1``)."""
+    N = batch.ids.shape[1] - 1
+    idx = torch.arange(N, device=batch.ids.device)[None] + offset
+    return idx < (batch.lengths[:, None].to(batch.ids.device) - 1)
+
+
+def sample_branches(n: int, fraction: float, seed: int) -> Tensor | None:
+    """A sorted random subset of ``ceil(fraction * n)`` branch indices (None when ``fraction >= 1``)."""
+    if fraction >= 1.0:
+        return None
+    g = torch.Generator().manual_seed(int(seed))
+    m = max(1, math.ceil(fraction * n))
+    return torch.randperm(n, generator=g)[:m].sort().values
+
+
+def relative_mse(x: Tensor, target: Tensor, valid: Tensor) -> Tensor:
+    """``sum ||x - t||^2 / sum ||t||^2`` over valid rows; ``x, target [B, N, ...]``, ``valid [B, N]``."""
+    w = valid.to(x.dtype).view(*valid.shape, *([1] * (x.dim() - 2)))
+    den = (target.pow(2) * w).sum().clamp_min(1e-12)
+    return ((x - target).pow(2) * w).sum() / den
+
+
+def at_rows(x: Tensor, rows: Tensor | None) -> Tensor:
+    """The unrolled branches ``rows`` of ``x [B, N, ...]`` (all of them when ``rows`` is None)."""
+    return x if rows is None else x[:, rows]
+
+
+def _kv_align(drafter, un: Unrolled, batch: TrainBatch) -> Tensor:
+    """Relative MSE of the drafter's own K/V at every block position against that position's reference."""
+    terms = []
+    N = batch.ids.shape[1] - 1
+    for li, steps in un.ctx.own.items():
+        for s, rows in enumerate(un.rows):
+            k, v = (x.transpose(1, 2) for x in steps[s])  # [B, n, kvH, D]
+            if drafter.paradigm == "kv":  # the target's KV at the block position i+1+s
+                tk, tv = (
+                    shifted(x.detach().transpose(1, 2), 1 + s, N) for x in un.injected[li]
+                )  # [B, N, kvH, D]
+            elif s == 0:
+                continue  # step 0 of a hidden/hybrid drafter is its own reference
+            else:  # what step 0 computed at the same position from the target's real feature
+                tk, tv = (shifted(x.detach().transpose(1, 2), s, N) for x in steps[0])  # [B, N, kvH, D]
+            valid = at_rows(branch_valid(batch, s), rows)  # position i+1+s lies inside the sequence
+            terms.append(relative_mse(k, at_rows(tk, rows), valid))
+            terms.append(relative_mse(v, at_rows(tv, rows), valid))
+    return torch.stack(terms).mean() if terms else torch.zeros((), device=batch.ids.device)
+
+
+def _feature_regression(un: Unrolled, batch: TrainBatch) -> Tensor:
+    N = batch.ids.shape[1] - 1
+    terms = []
+    for s, rows in enumerate(un.rows):
+        target = shifted(un.fused.detach(), s + 1, N)  # [B, N, H] fused target feature of position i+1+s
+        terms.append(
+            relative_mse(un.outs[s], at_rows(target, rows), at_rows(branch_valid(batch, s + 1), rows))
+        )
+    return torch.stack(terms).mean()
+
+
+def regime_loss(
+    drafter,
+    batch: TrainBatch,
+    un: Unrolled,
+    regime: str,
+    step_decay: float,
+    feature_loss_weight: float = 0.0,
+    kv_align_weight: float = 0.0,
+) -> tuple[Tensor, dict]:
+    """The regime's total loss and its parts (per-step CE and top-1 agreement with the target).
+
+    Logits are computed only for the rows that count (assistant tokens), which is most of the cost saved
+    on a CPU: the draft LM head and its softmax dominate a one-layer drafter.
+    """
+    N = batch.ids.shape[1] - 1
+    with torch.no_grad():
+        probs = target_probs(batch.final_hidden, drafter.head)  # [B, T, V_draft]
+    total = torch.zeros((), device=probs.device)
+    parts: dict = {"ce": [], "acc": [], "n": []}
+    for k, (h, rows) in enumerate(zip(un.outs, un.rows)):
+        mask = at_rows(step_mask(batch, k), rows)  # [B, n]
+        logits = drafter.logits(h[mask])  # [M, V_draft]
+        p_k = at_rows(shifted(probs, 1 + k, N), rows)[mask]  # [M, V_draft]
+        n = int(mask.sum())
+        ce = -(p_k * torch.log_softmax(logits.float(), dim=-1)).sum() / max(n, 1)
+        weight = 1.0 if regime == "block" else step_decay**k
+        total = total + weight * ce
+        with torch.no_grad():
+            agree = int((logits.argmax(-1) == p_k.argmax(-1)).sum())
+        parts["ce"].append(float(ce.detach()))
+        parts["acc"].append(agree / max(n, 1))
+        parts["n"].append(n)
+    if feature_loss_weight and un.fused is not None:
+        feat = _feature_regression(un, batch)
+        total = total + feature_loss_weight * feat
+        parts["feature"] = float(feat.detach())
+    if kv_align_weight:
+        align = _kv_align(drafter, un, batch)
+        total = total + kv_align_weight * align
+        parts["kv_align"] = float(align.detach())
+    return total, parts

@@ -1,0 +1,77 @@
+"""Resumable training state: the drafter, the optimizer and the trainer's position, without pickle.
+
+``<out_dir>/state/`` holds ``model.safetensors`` (the drafter's state dict), ``optimizer.safetensors`` (every
+tensor of the optimizer's state, keyed ``<param index>.<name>``) and ``trainer.json`` (the step reached, the
+optimizer's hyper-parameters and non-tensor state, the training config and the logs so far). The folder is
+written under a temporary name and swapped in, so an interruption leaves the previous state intact. The
+data position is a function of the step (see :mod:`kvshot_lib.train_data`) and the learning rate schedule
+too, so a resumed run continues exactly where the interrupted one was.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+STATE_DIR = "state"
+
+
+def save_train_state(out_dir: Path, drafter, optimizer, step: int, config: dict, logs: dict) -> Path:
+    out_dir = Path(out_dir)
+    final, tmp = out_dir / STATE_DIR, out_dir / (STATE_DIR + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()},
+        str(tmp / "model.safetensors"),
+    )
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, st in sd["state"].items():
+        for name, value in st.items():
+            if torch.is_tensor(value):
+                tensors[f"{idx}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{name}"] = value
+    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    meta = dict(
+        step=step, config=config, param_groups=sd["param_groups"], optimizer_scalars=scalars, logs=logs
+    )
+    (tmp / "trainer.json").write_text(json.dumps(meta))
+    old = out_dir / (STATE_DIR + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_train_state(out_dir: Path) -> dict | None:
+    """The saved trainer metadata, or None if there is no complete state."""
+    path = Path(out_dir) / STATE_DIR / "trainer.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_train_state(out_dir: Path, drafter, optimizer) -> dict:
+    """Restore the drafter and optimizer in place (strict); returns the trainer metadata."""
+    state_dir = Path(out_dir) / STATE_DIR
+    meta = json.loads((state_dir / "trainer.json").read_text())
+    device = drafter.head.device
+    drafter.load_state_dict(
+        {k: v.to(device) for k, v in load_file(str(state_dir / "model.safetensors")).items()}, strict=True
+    )
+    tensors = load_file(str(state_dir / "optimizer.safetensors"))
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value.to(device) if value.dim() else value
+    for key, value in meta["optimizer_scalars"].items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    return meta

@@ -1,0 +1,300 @@
+"""Train a drafter (hidden / KV / hybrid) under a regime (teacher forcing / TTT / block-wise).
+
+``train_drafter(target, train_store, eval_store, config, out_dir)`` trains on the feature store, logs the
+training loss, the per-step held-out accuracy and the gradient probes, and writes into ``out_dir``:
+
+* ``config.json`` + ``model.safetensors``: the checkpoint (see :mod:`kvshot_lib.drafters.checkpoint`);
+* ``history.csv`` (training rows), ``eval.csv`` (per-step held-out accuracy over training),
+  ``grad_probes.csv``, ``kv_positions.csv``, ``attention_mass.csv``, ``kv_position_samples.csv``;
+* ``state/``: the resumable state while training runs (removed when it finishes).
+
+Calling it again with the same config returns the finished run from disk; after an interruption it resumes.
+The objectives are in :mod:`kvshot_lib.train_losses`, the probes in :mod:`kvshot_lib.grad_probes`.
+
+The loop uses ``accelerate``'s :class:`Accelerator`, so the same code runs on one CPU, one GPU, or several
+GPUs under ``accelerate launch -m kvshot_lib.cli train ...`` (data-parallel; see README).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .drafters import build_drafter, drafter_config_for, load_drafter
+from .drafters.checkpoint import CONFIG_FILE, save_drafter
+from .drafters.vocab import count_tokens, draft_vocab_from_counts
+from .grad_probes import GradProbe, grouped_parameters
+from .train_config import TrainConfig
+from .train_data import StoreBatches
+from .train_eval import EvalSet, evaluate_per_step, gate_summary
+from .train_losses import branch_valid, regime_loss, sample_branches
+from .train_state import STATE_DIR, load_train_state, read_train_state, save_train_state
+
+LOG_TABLES = ("history", "eval", "grad_probes", "kv_positions", "attention_mass", "kv_position_samples")
+
+
+@dataclass
+class TrainResult:
+    drafter: nn.Module
+    out_dir: Path
+    config: TrainConfig
+    logs: dict = field(default_factory=dict)  # table name -> list of row dicts
+    train_seconds: float = 0.0
+
+    def table(self, name: str) -> pd.DataFrame:
+        return pd.DataFrame(self.logs.get(name, []))
+
+    def final_eval(self) -> dict:
+        return self.logs["eval"][-1] if self.logs.get("eval") else {}
+
+
+class Objective(nn.Module):
+    """The drafter plus its regime's loss, so that ``accelerate``/DDP sees one forward."""
+
+    def __init__(self, drafter: nn.Module, cfg: TrainConfig):
+        super().__init__()
+        self.drafter, self.cfg = drafter, cfg
+
+    def forward(self, batch, recorder=None, branches=None):
+        c = self.cfg
+        un = self.drafter(
+            batch, c.n_train_steps, detach_chain=c.detach_chain, recorder=recorder, branches=branches
+        )
+        return regime_loss(
+            self.drafter, batch, un, c.regime, c.step_decay, c.feature_loss_weight, c.kv_align_weight
+        )
+
+
+def build_draft_vocab(store, target, size: int) -> torch.Tensor:
+    """The draft vocabulary (``d2t``) of a training store: its ``size`` most frequent assistant tokens."""
+    counts = count_tokens(store, target.info.vocab_size)
+    return draft_vocab_from_counts(counts, size, always=tuple(target.info.eos_token_ids))
+
+
+def make_accelerator(cfg: TrainConfig, device: str):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
+    mp = None if cfg.mixed_precision == "auto" else cfg.mixed_precision
+    return Accelerator(cpu=device == "cpu", mixed_precision=mp, kwargs_handlers=[ddp])
+
+
+def _lr_lambda(cfg: TrainConfig):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        t = (step - cfg.warmup_steps) / max(1, cfg.train_steps - cfg.warmup_steps)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+    return f
+
+
+def _optimizer(drafter: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    groups = []
+    for group, params in sorted(grouped_parameters(drafter).items()):
+        lr = cfg.lr * cfg.lr_scale.get(group, 1.0)
+        groups.append(dict(params=[p for _, p in params], lr=lr, name=group))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
+
+
+def _finished(out: Path, cfg: TrainConfig) -> bool:
+    if not (out / CONFIG_FILE).is_file():
+        return False
+    extra = json.loads((out / CONFIG_FILE).read_text()).get("extra", {})
+    return extra.get("train_config") == cfg.as_dict() and extra.get("completed")
+
+
+def _write_logs(out: Path, logs: dict) -> None:
+    for name in LOG_TABLES:
+        pd.DataFrame(logs.get(name, [])).to_csv(out / f"{name}.csv", index=False)
+
+
+def read_logs(out_dir: str | Path) -> dict:
+    """The log tables of a finished run, as lists of row dicts (missing tables are empty)."""
+    out = Path(out_dir)
+    logs = {}
+    for name in LOG_TABLES:
+        path = out / f"{name}.csv"
+        try:
+            logs[name] = pd.read_csv(path).to_dict("records") if path.is_file() else []
+        except pd.errors.EmptyDataError:
+            logs[name] = []
+    return logs
+
+
+def train_drafter(
+    target,
+    train_store,
+    eval_store,
+    config: TrainConfig | dict,
+    out_dir: str | Path,
+    d2t: torch.Tensor | None = None,
+    resume: bool = True,
+    progress: bool = True,
+    accelerator=None,
+    eval_set: EvalSet | None = None,
+) -> TrainResult:
+    """Train one drafter; see the module docstring. ``config`` may be a parameter dict (validated)."""
+    cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_params(config)
+    out = Path(out_dir)
+    if resume and _finished(out, cfg):
+        drafter = load_drafter(out, target)
+        extra = drafter.cfg.extra
+        return TrainResult(drafter, out, cfg, read_logs(out), extra.get("train_seconds", 0.0))
+    info = target.info
+    dcfg = drafter_config_for(
+        target,
+        cfg.paradigm,
+        cfg.n_layers,
+        cfg.kv_mode,
+        cfg.hidden_layers,
+        cfg.kv_layers,
+        cfg.draft_vocab_size,
+        cfg.query_group,
+        name=cfg.name,
+        regime=cfg.regime,
+    )
+    for store, what in ((train_store, "training"), (eval_store, "held-out")):
+        try:
+            store.check_compatible(info.name, info.fingerprint, dcfg.hidden_layers, dcfg.kv_layers)
+        except ValueError as e:
+            raise ValueError(f"The {what} feature store does not fit drafter {cfg.name!r}: {e}") from None
+    d2t = build_draft_vocab(train_store, target, dcfg.draft_vocab_size) if d2t is None else d2t
+    drafter = build_drafter(dcfg, target, d2t.cpu(), seed=cfg.seed)
+    acc = accelerator or make_accelerator(cfg, info.device)
+    optimizer = _optimizer(drafter, cfg)
+    start, logs, seconds = 0, {name: [] for name in LOG_TABLES}, 0.0
+    meta = read_train_state(out) if resume else None
+    if meta is not None and meta["config"] == cfg.as_dict():
+        meta = load_train_state(out, drafter, optimizer)
+        start, logs, seconds = meta["step"], meta["logs"], meta["logs"].get("_seconds", 0.0)
+    logs.pop("_seconds", None)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg), last_epoch=-1)
+    for _ in range(start):
+        scheduler.step()
+    objective, optimizer = acc.prepare(Objective(drafter, cfg), optimizer)
+    dev = acc.device
+    loader = StoreBatches(
+        train_store, dcfg, cfg.batch_size, cfg.seed, acc.process_index, acc.num_processes, cfg.max_tokens
+    )
+    evals = eval_set or EvalSet.build(
+        eval_store, dcfg, target, cfg.eval_sequences, cfg.batch_size, cfg.max_tokens
+    )
+    base = dict(drafter=cfg.name, paradigm=cfg.paradigm, regime=cfg.regime)
+    bar = tqdm(
+        total=cfg.train_steps,
+        initial=start,
+        desc=f"training {cfg.name}",
+        disable=not (progress and acc.is_main_process),
+    )
+    t_start = time.perf_counter() - seconds
+    for step in range(start, cfg.train_steps):
+        batch = loader.batch(step).to(dev)
+        last = step == cfg.train_steps - 1
+        probing = cfg.probe_every > 0 and (step % cfg.probe_every == 0 or last)
+        branches = sample_branches(
+            batch.ids.shape[1] - 1, cfg.branch_fraction, seed=cfg.seed * 1_000_003 + step
+        )
+        branches = None if branches is None else branches.to(dev)
+        probe = (
+            GradProbe(
+                drafter,
+                branch_valid(batch),
+                cfg.probe_rel_threshold,
+                cfg.probe_samples if last else 0,
+                branches,
+            )
+            if probing
+            else None
+        )
+        drafter.train()
+        with probe or nullcontext():
+            with acc.autocast():
+                loss, parts = objective(batch, probe, branches)
+            acc.backward(loss)
+        if probe is not None:
+            _log_probe(logs, probe, step, base)
+        for group in optimizer.param_groups:  # the "50x" remedy: scale one group's gradient
+            factor = cfg.grad_scale.get(group["name"], 1.0)
+            if factor != 1.0:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(factor)
+        grad_norm = (
+            acc.clip_grad_norm_(drafter.parameters(), cfg.grad_clip) if cfg.grad_clip else torch.tensor(0.0)
+        )
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens = int(batch.lengths.sum()) * acc.num_processes
+        row = dict(
+            step=step + 1,
+            loss=float(loss.detach()),
+            lr=scheduler.get_last_lr()[0],
+            grad_norm=float(grad_norm),
+            tokens=tokens,
+            seconds=time.perf_counter() - t_start,
+            epoch=loader.epoch_of(step + 1),
+        )
+        row.update({f"ce_{k}": v for k, v in enumerate(parts["ce"])})
+        row.update({f"acc_{k}": v for k, v in enumerate(parts["acc"])})
+        row.update({k: parts[k] for k in ("feature", "kv_align") if k in parts})
+        logs["history"].append(row)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{parts['acc'][0]:.2f}")
+        bar.update()
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last or step == 0):
+            drafter.eval()
+            ev = evaluate_per_step(drafter, evals, cfg.eval_steps, acc, cfg.eval_branch_fraction)
+            ev.update(step=step + 1, seconds=time.perf_counter() - t_start, **gate_summary(drafter))
+            logs["eval"].append(ev)
+        if acc.is_main_process and cfg.save_every and (step + 1) % cfg.save_every == 0 and not last:
+            save_train_state(
+                out,
+                drafter,
+                optimizer,
+                step + 1,
+                cfg.as_dict(),
+                {**logs, "_seconds": time.perf_counter() - t_start},
+            )
+        acc.wait_for_everyone()
+    bar.close()
+    seconds = time.perf_counter() - t_start
+    drafter.eval()
+    if acc.is_main_process:
+        n_tokens = sum(r["tokens"] for r in logs["history"])
+        drafter.cfg.extra = dict(
+            train_config=cfg.as_dict(),
+            completed=True,
+            train_seconds=seconds,
+            train_tokens=n_tokens,
+            tokens_per_second=n_tokens / max(seconds, 1e-9),
+            train_store=str(train_store.path),
+            eval_store=str(eval_store.path),
+            final_eval=logs["eval"][-1] if logs["eval"] else {},
+        )
+        save_drafter(acc.unwrap_model(objective).drafter, out)
+        _write_logs(out, logs)
+        import shutil
+
+        shutil.rmtree(out / STATE_DIR, ignore_errors=True)
+    acc.wait_for_everyone()
+    return TrainResult(drafter, out, cfg, logs, seconds)
+
+
+def _log_probe(logs: dict, probe: GradProbe, step: int, base: dict) -> None:
+    for r in probe.group_rows():
+        logs["grad_probes"].append(dict(**base, step=step, **r))
+    kv, samples = probe.kv_rows()
+    logs["kv_positions"] += [dict(**base, step=step, **r) for r in kv]
+    logs["kv_position_samples"] += [dict(**base, step=step, **r) for r in samples]
+    logs["attention_mass"] += [dict(**base, step=step, **r) for r in probe.mass_rows()]
