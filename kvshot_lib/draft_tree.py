@@ -1,0 +1,187 @@
+"""Drafting one cycle: a chain of k tokens, or an EAGLE-2 dynamic tree; and the tree attention mask.
+
+Both builders drive a :class:`~kvshot_lib.drafters.base.DraftSession` (``start_cycle`` / ``expand``) and
+return a :class:`DraftTree`. A chain is a tree whose node ``i`` has parent ``i - 1``.
+
+**The dynamic tree** (EAGLE-2, Li et al. 2024). Every candidate carries a score, the sum of the draft
+log-probabilities along its path from the root. Level 0 is the root's ``top_k`` children. At each
+deeper level, the ``top_k`` best-scoring candidates of the previous level are expanded in one
+``expand`` call, each proposes its ``top_k`` children, and all of them become candidates. After
+``depth`` levels the ``budget`` best candidates form the tree. A child never scores above its parent
+(log-probs are <= 0), and ties go to the shallower node, so the selection always contains every
+selected node's ancestors.
+
+A session may return all ``-inf`` logits to decline to draft after a node (the n-gram drafter does
+when it finds no match): that branch simply ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .sampling import logits_to_probs, sample
+
+
+@dataclass
+class DraftTree:
+    """The nodes drafted in one cycle; parents always come before their children.
+
+    tokens[i]: target id; parents[i]: index of the parent node or -1 for the root; depths[i]: 0 for the
+    root's children. For a chain sampled at temperature > 0, ``q[i]`` is the draft distribution (draft
+    vocabulary) that token i was sampled from and ``draft_ids[i]`` its draft-vocabulary index.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    q: list[Tensor] = field(default_factory=list)
+    draft_ids: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self) -> list[list[int]]:
+        """children()[b] lists the nodes under block position b (0 = the root, i + 1 = node i)."""
+        out: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parents):
+            out[p + 1].append(i)
+        return out
+
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+
+def _to_target(ids: Tensor, d2t: Tensor | None) -> Tensor:
+    return ids if d2t is None else d2t[ids]
+
+
+def draft_chain(
+    session,
+    committed: Tensor,
+    view,
+    depth: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> DraftTree:
+    """Draft up to ``depth`` tokens one after another: argmax at temperature 0, else a sample from
+    ``q = logits_to_probs(draft logits)`` (kept for the rejection rule). ``depth - 1`` expand calls."""
+    tree = DraftTree()
+    logits = session.start_cycle(committed, view)  # [V_draft]
+    d2t = session.d2t
+    for d in range(depth):
+        if d > 0:
+            logits = session.expand(torch.tensor([tree.tokens[-1]]), torch.tensor([d - 2]))[0]  # [V_draft]
+        if not torch.isfinite(logits.max()):
+            break  # the drafter declines
+        if temperature == 0:
+            j = int(logits.argmax())
+        else:
+            q = logits_to_probs(logits, temperature, top_k, top_p)  # [V_draft]
+            j = int(sample(q, generator))
+            tree.q.append(q)
+            tree.draft_ids.append(j)
+        tree.tokens.append(int(_to_target(torch.tensor(j), d2t)))
+        tree.parents.append(d - 1)
+        tree.depths.append(d)
+    return tree
+
+
+def _log_q(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    if temperature == 0:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return logits_to_probs(logits, temperature, top_k, top_p).log()
+
+
+def draft_dynamic_tree(
+    session,
+    committed: Tensor,
+    view,
+    depth: int,
+    top_k: int,
+    budget: int,
+    temperature: float = 0.0,
+    sample_top_k: int = 0,
+    top_p: float = 1.0,
+) -> DraftTree:
+    """EAGLE-2's dynamic tree: ``depth`` levels, ``top_k`` children per expanded node and ``top_k``
+    expanded nodes per level, then the ``budget`` best candidates. Scores are draft log-probs (after
+    temperature / top-k / top-p when ``temperature > 0``). ``depth - 1`` expand calls."""
+    d2t = session.d2t
+    logq = _log_q(session.start_cycle(committed, view), temperature, sample_top_k, top_p)  # [V_draft]
+    # Candidates: parallel lists. cand_session[c] is c's index among expanded session nodes, or -1.
+    tok: list[int] = []
+    par: list[int] = []
+    dep: list[int] = []
+    scores: list[float] = []
+    vals, idx = logq.topk(min(top_k, logq.shape[-1]))  # [K]
+    keep = torch.isfinite(vals)
+    vals, idx = vals[keep], idx[keep]
+    tok += _to_target(idx, d2t).tolist()
+    par += [-1] * len(vals)
+    dep += [0] * len(vals)
+    scores += vals.tolist()
+    frontier = list(range(len(vals)))  # candidate ids of the level just added
+    frontier_scores = vals  # [F]
+    n_expanded = 0
+    cand_session: dict[int, int] = {}
+    for level in range(1, depth):
+        if not frontier:
+            break
+        # Expand the best top_k of the previous level (already at most top_k at level 0).
+        best = frontier_scores.topk(min(top_k, len(frontier))).indices.tolist()
+        nodes = [frontier[b] for b in best]
+        parents = torch.tensor([cand_session.get(par[c], -1) for c in nodes])  # [n]
+        logits = session.expand(torch.tensor([tok[c] for c in nodes]), parents)  # [n, V_draft]
+        for i, c in enumerate(nodes):
+            cand_session[c] = n_expanded + i
+        n_expanded += len(nodes)
+        child_logq = _log_q(logits, temperature, sample_top_k, top_p)  # [n, V_draft]
+        vals, idx = child_logq.topk(min(top_k, child_logq.shape[-1]), dim=-1)  # [n, K]
+        cum = torch.tensor([scores[c] for c in nodes])[:, None] + vals  # [n, K]
+        keep = torch.isfinite(cum)
+        rows = torch.arange(len(nodes))[:, None].expand_as(cum)[keep]  # [m]
+        cum, idx = cum[keep], idx[keep]  # [m]
+        start = len(tok)
+        tok += _to_target(idx, d2t).tolist()
+        par += [nodes[r] for r in rows.tolist()]
+        dep += [level] * len(cum)
+        scores += cum.tolist()
+        frontier = list(range(start, len(tok)))
+        frontier_scores = cum
+    # Rerank: the budget best candidates, ties to the shallower node, parents before children.
+    order = sorted(range(len(tok)), key=lambda c: (-scores[c], dep[c]))[:budget]
+    order.sort(key=lambda c: (dep[c], -scores[c]))
+    new_index = {c: i for i, c in enumerate(order)}
+    tree = DraftTree()
+    for c in order:
+        tree.tokens.append(tok[c])
+        tree.parents.append(-1 if par[c] < 0 else new_index[par[c]])
+        tree.depths.append(dep[c])
+    return tree
+
+
+def ancestor_matrix(parents: list[int]) -> Tensor:
+    """``[N+1, N+1]`` bool: row b sees column c iff c is b itself or one of its ancestors.
+    Block position 0 is the root, position i + 1 is node i (parents before children)."""
+    n = len(parents)
+    anc = torch.eye(n + 1, dtype=torch.bool)  # [N+1, N+1]
+    anc[1:, 0] = True
+    for i, p in enumerate(parents):
+        if p >= 0:
+            anc[i + 1] |= anc[p + 1]
+    return anc
+
+
+def tree_attention_mask(anc: Tensor, past_len: int, dtype: torch.dtype, device=None) -> Tensor:
+    """The additive 4-D mask ``[1, 1, q, past_len + k]`` for ``q`` queries whose visibility over the ``k``
+    newest keys is ``anc [q, k]``: every query sees the whole past and the keys ``anc`` allows.
+    transformers passes a 4-D mask through as-is."""
+    q, k = anc.shape
+    mask = torch.zeros(1, 1, q, past_len + k, dtype=dtype, device=device)  # [1, 1, q, kv]
+    mask[0, 0, :, past_len:].masked_fill_(~anc.to(device), torch.finfo(dtype).min)
+    return mask

@@ -1,0 +1,92 @@
+"""From logits to the distributions that drafting and verification sample from, and the rejection rule.
+
+``logits_to_probs`` applies temperature, then top-k, then top-p (nucleus), the order Hugging Face's
+``generate`` uses. The same function gives the draft distribution ``q`` (what a draft token was really
+sampled from) and the target distribution ``p`` (what the output must follow).
+
+The rejection rule (Leviathan et al. 2023; Chen et al. 2023) for a draft token ``x ~ q``:
+
+* accept ``x`` with probability ``min(1, p(x) / q(x))``;
+* otherwise emit a token from the residual ``norm(max(0, p - q))``.
+
+The emitted token is then distributed exactly as ``p``, and the acceptance probability is
+``sum_v min(p(v), q(v))``. ``tests/test_sampling.py`` checks both with chi-square tests.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def check_sampling_args(temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
+    """Raise ``ValueError`` with a clear message for nonsense sampling settings."""
+    if not isinstance(temperature, (int, float)) or temperature < 0 or temperature != temperature:
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}.")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}.")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}.")
+
+
+def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """``[..., V]`` logits -> ``[..., V]`` float32 probabilities after temperature, top-k and top-p.
+
+    ``temperature`` must be > 0 here: greedy decoding (temperature 0) takes an argmax instead.
+    Entries of ``-inf`` stay at probability 0.
+    """
+    if temperature <= 0:
+        raise ValueError("logits_to_probs needs temperature > 0; greedy decoding uses argmax.")
+    logits = logits.float() / temperature  # [..., V]
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [..., V]
+        sorted_probs = sorted_logits.softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits.softmax(-1)
+
+
+def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token per row of ``probs [..., V]`` -> ``[...]`` int64."""
+    flat = probs.reshape(-1, probs.shape[-1])  # [n, V]
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def accept_draft_tokens(p: Tensor, q: Tensor, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """The accept test of the rejection rule, row by row: ``[n]`` bool.
+
+    p, q: ``[n, V]`` target and draft probabilities; x: ``[n]`` draft tokens, each sampled from its row of q.
+    Row i is accepted with probability ``min(1, p[i, x_i] / q[i, x_i])``: draw u ~ U[0, 1) and accept iff
+    ``u * q(x) < p(x)`` (never accepts a token the target gives probability 0).
+    """
+    px = p.gather(-1, x[:, None])[:, 0]  # [n]
+    qx = q.gather(-1, x[:, None])[:, 0]  # [n]
+    u = torch.rand(px.shape, generator=generator, dtype=px.dtype, device=px.device)  # [n]
+    return u * qx < px
+
+
+def residual_probs(p: Tensor, q: Tensor) -> Tensor:
+    """``norm(max(0, p - q))`` row by row, ``[..., V]``; falls back to ``p`` where ``p == q`` (rejection is then
+    impossible anyway, up to rounding)."""
+    r = (p - q).clamp_min(0)  # [..., V]
+    total = r.sum(-1, keepdim=True)  # [..., 1]
+    return torch.where(total > 0, r / total.clamp_min(torch.finfo(r.dtype).tiny), p)
+
+
+def rejection_sample(
+    p: Tensor, q: Tensor, x: Tensor, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """The full rule on independent rows: ``(accepted [n] bool, emitted [n] int64)``.
+
+    ``emitted[i]`` is ``x[i]`` when accepted, else a sample of the residual ``norm(max(0, p_i - q_i))``.
+    Each ``emitted[i]`` is distributed as ``p[i]``. The engine applies the same two steps
+    (:func:`accept_draft_tokens`, then :func:`residual_probs` at the first rejection only).
+    """
+    accepted = accept_draft_tokens(p, q, x, generator)  # [n]
+    resampled = sample(residual_probs(p, q), generator)  # [n]
+    return accepted, torch.where(accepted, x, resampled)
