@@ -156,7 +156,7 @@ def _prefill(model, ids: Tensor, cache, layers: tuple[int, ...]):
         logits_to_keep=1,
         output_hidden_states=bool(layers),
     )
-    hidden = {l: out.hidden_states[l + 1] for l in layers}  # [1, T, H] each
+    hidden = {layer: out.hidden_states[layer + 1] for layer in layers}  # [1, T, H] each
     return out.logits[0, -1], hidden
 
 
@@ -332,8 +332,14 @@ def speculative_generate(
         keep_block_positions(cache, P, keep)
         if layers:
             idx = torch.tensor(keep, device=dev)
-            fresh = {l: out.hidden_states[l + 1].index_select(1, idx) for l in layers}  # [1, n+1, H]
-            pending = {l: torch.cat([pending[l], fresh[l]], 1) for l in layers} if pending else fresh
+            fresh = {
+                layer: out.hidden_states[layer + 1].index_select(1, idx) for layer in layers
+            }  # [1, n+1, H]
+            pending = (
+                {layer: torch.cat([pending[layer], fresh[layer]], 1) for layer in layers}
+                if pending
+                else fresh
+            )
         if cap > 0:
             result.accepted_per_cycle.append(len(path))
         new = [tree.tokens[i] for i in path] + [bonus]
