@@ -3,6 +3,7 @@ and an n-gram (prompt-lookup) drafter. Each is a ``SessionFactory`` of :mod:`kvs
 
 * ``self``: the target itself, with its own KV cache. Everything is accepted at temperature 0 (up to
   rounding), so it is the engine's sanity check, not a speed-up: each draft step costs a target step.
+  With ``noise > 0`` Gaussian noise is added to its logits: a drafter of tunable quality for tests.
 * ``early-exit-<n>``: the target's first n decoder layers, then its final norm and LM head (weights
   shared, nothing copied). An untrained, non-trivially correlated drafter for tests.
 * ``random``: seeded random logits; nearly every draft is rejected.
@@ -38,8 +39,8 @@ class ModelDraftSession:
     d2t = None
     hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, noise: float = 0.0, generator: torch.Generator | None = None):
+        self.model, self.noise, self.generator = model, noise, generator
         self.cache = DynamicCache(config=model.config)
         self.n_committed = 0  # committed tokens in self.cache
         self.parents: list[int] = []
@@ -58,7 +59,12 @@ class ModelDraftSession:
             logits_to_keep=1,
         )
         self.n_committed = committed.shape[1]
-        return out.logits[0, -1]  # [V]
+        return self._noisy(out.logits[0, -1])  # [V]
+
+    def _noisy(self, logits: Tensor) -> Tensor:
+        if not self.noise:
+            return logits
+        return logits + self.noise * torch.randn(logits.shape, generator=self.generator).to(logits)
 
     @torch.inference_mode()
     def expand(self, tokens: Tensor, parents: Tensor) -> Tensor:
@@ -77,7 +83,7 @@ class ModelDraftSession:
             attention_mask=mask,
             use_cache=True,
         )
-        return out.logits[0]  # [n, V]
+        return self._noisy(out.logits[0])  # [n, V]
 
     def end_cycle(self) -> None:
         extra = self.cache.get_seq_length() - self.n_committed
@@ -88,15 +94,23 @@ class ModelDraftSession:
 
 @dataclass
 class SelfDrafter:
-    """The target drafting for itself."""
+    """The target drafting for itself (plus Gaussian logit noise of std ``noise``, seeded per session)."""
 
     target: object
-    name: str = "self"
+    noise: float = 0.0
+    seed: int = 0
     paradigm: str = "baseline"
     regime: str = "-"
+    _sessions: int = 0
+
+    @property
+    def name(self) -> str:
+        return "self" if not self.noise else f"self-noise{self.noise:g}"
 
     def new_session(self) -> ModelDraftSession:
-        return ModelDraftSession(self.target.model)
+        self._sessions += 1
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self._sessions)
+        return ModelDraftSession(self.target.model, self.noise, generator)
 
 
 def early_exit_model(model: torch.nn.Module, n_layers: int) -> torch.nn.Module:

@@ -52,9 +52,15 @@ def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int = 0, to
 
 
 def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """One token per row of ``probs [..., V]`` -> ``[...]`` int64."""
-    flat = probs.reshape(-1, probs.shape[-1])  # [n, V]
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    """One token per row of ``probs [..., V]`` -> ``[...]`` int64, by inverting the CDF (in float64).
+
+    Several times faster than ``torch.multinomial`` on a 49k vocabulary, and it never returns a token of
+    probability 0: it takes the first token whose CDF exceeds ``u * total``."""
+    flat = probs.reshape(-1, probs.shape[-1]).double()  # [n, V]
+    cdf = flat.cumsum(-1)  # [n, V]
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)  # [n, 1]
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max(flat.shape[-1] - 1)  # [n, 1]
+    return idx.reshape(probs.shape[:-1])
 
 
 def accept_draft_tokens(p: Tensor, q: Tensor, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
