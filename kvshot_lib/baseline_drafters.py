@@ -271,3 +271,34 @@ def resolve_drafter(spec: str, target, seed: int = 0):
             f"Cannot load {path}: kvshot_lib.drafters.load_drafter is not available in this checkout."
         ) from None
     return load_drafter(str(path), target)
+
+
+def drafters_for_run(run_dir: str | Path, target, baselines=BASELINES, seed: int = 0) -> tuple[dict, str]:
+    """The baseline drafters named in ``baselines`` plus every trained checkpoint under ``<run_dir>/drafters/``
+    (labelled by folder name), and a one-line note saying what was found."""
+    unknown = [b for b in baselines if not is_baseline_name(b)]
+    if unknown:
+        raise ValueError(f"Unknown baseline drafters {unknown}; use any of {BASELINES} or early-exit-<n>.")
+    drafters = {name: resolve_drafter(name, target, seed) for name in baselines}
+    root = Path(run_dir) / "drafters"
+    folders = sorted(p for p in root.glob("*") if p.is_dir()) if root.is_dir() else []
+    trained = {}
+    for folder in folders:
+        if not (folder / "config.json").is_file():
+            continue  # an unfinished or foreign folder
+        trained[folder.name] = resolve_drafter(str(folder), target, seed)
+    if trained:
+        note = f"{len(trained)} trained drafters from {root}: {', '.join(trained)}; baselines: {', '.join(baselines)}."
+    else:
+        note = (
+            f"No trained drafters under {root} (run notebook 02 first); using the baseline drafters only: "
+            f"{', '.join(baselines)}."
+        )
+    return {**drafters, **trained}, note
+
+
+def is_baseline_name(name: str) -> bool:
+    """Whether ``name`` is a baseline drafter name (not a path)."""
+    return name in BASELINES or (
+        name.startswith("early-exit-") and name.removeprefix("early-exit-").isdigit()
+    )

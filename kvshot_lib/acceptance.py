@@ -1,0 +1,269 @@
+"""Acceptance by draft step on MT-bench: every drafter, chain and tree, both turns, at several temperatures.
+
+Each question is asked in two turns; the second is conditioned on the model's own first answer.
+
+* At temperature > 0 every generation runs through the real engine
+  (:func:`kvshot_lib.decoding.speculative_generate`).
+* At temperature 0 the engine's output is the plain greedy output whatever the drafter, so every cycle
+  is decided by the drafter and the greedy continuation alone: a draft node is accepted iff its path
+  matches the greedy tokens. :func:`replay_greedy` replays those cycles exactly: same cycle boundaries,
+  same drafter calls, same target cache and hidden states handed to the drafter, but the target runs
+  once per prompt (one forward over prompt + greedy output) instead of once per cycle, and is shared by
+  every drafter. ``tests/test_acceptance.py`` checks that it reproduces the engine's counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from . import metrics
+from .data import chat_prompt_ids, load_mtbench, mtbench_messages
+from .decoding import (
+    DecodeConfig,
+    GenerationResult,
+    _commit,
+    autoregressive_generate,
+    speculative_generate,
+    walk_tree,
+)
+from .draft_tree import DraftTree, draft_chain, draft_dynamic_tree
+from .drafters.base import TargetView
+
+
+@dataclass
+class Reference:
+    """One MT-bench turn decoded greedily without stop tokens (the replay needs tokens past a stop)."""
+
+    question_id: int
+    turn: int
+    prompt_ids: list[int]
+    greedy_ids: list[int]
+
+
+@dataclass
+class AcceptanceRun:
+    """All generations of one drafter in one mode at one temperature."""
+
+    drafter: str
+    paradigm: str
+    regime: str
+    mode: str
+    temperature: float
+    results: list[GenerationResult] = field(default_factory=list)
+
+
+def _answer_text(tokenizer, ids: list[int], stops: set[int]) -> str:
+    cut = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+    return tokenizer.decode(ids[:cut], skip_special_tokens=True)
+
+
+def greedy_references(
+    target, n_questions: int | None, max_new_tokens: int, progress: bool = True
+) -> list[Reference]:
+    """Both turns of the first ``n_questions`` MT-bench questions, greedy; turn 2 sees turn 1's answer."""
+    stops = set(target.info.eos_token_ids)
+    cfg = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens, stop_token_ids=())
+    refs = []
+    for q in tqdm(load_mtbench(n_questions), desc="greedy references", disable=not progress):
+        first = None
+        for turn in (0, 1):
+            prompt = chat_prompt_ids(target.tokenizer, mtbench_messages(q, turn, first))
+            ids = autoregressive_generate(target, prompt, cfg).token_ids
+            refs.append(Reference(q.question_id, turn, prompt, ids))
+            first = _answer_text(target.tokenizer, ids, stops)
+    return refs
+
+
+def cache_prefix(cache, n: int):
+    """A DynamicCache whose layers are views of the first ``n`` positions of ``cache`` (nothing copied)."""
+    view = copy.copy(cache)
+    view.layers = []
+    for layer in cache.layers:
+        short = copy.copy(layer)
+        short.keys, short.values = layer.keys[:, :, :n], layer.values[:, :, :n]  # [B, kvH, n, D]
+        view.layers.append(short)
+    return view
+
+
+@torch.inference_mode()
+def target_states(target, ref: Reference, layers: tuple[int, ...]):
+    """The target's cache and chosen hidden states over prompt + greedy output, in one forward."""
+    full = torch.tensor([ref.prompt_ids + ref.greedy_ids], device=target.model.device)  # [1, T+G]
+    cache = DynamicCache(config=target.model.config)
+    out = target.model(
+        input_ids=full,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=bool(layers),
+        logits_to_keep=1,
+    )
+    hidden = {layer: out.hidden_states[layer + 1] for layer in layers}  # [1, T+G, H]
+    return full, cache, hidden
+
+
+def replay_greedy(target, drafter, ref: Reference, cfg: DecodeConfig, states=None) -> GenerationResult:
+    """The engine's temperature-0 cycles for ``ref``, without verification forwards (see module doc)."""
+    cfg.validate()
+    if cfg.temperature != 0 or cfg.mode not in ("chain", "tree"):
+        raise ValueError("replay_greedy replays chain/tree decoding at temperature 0 only.")
+    session = drafter.new_session()
+    layers = tuple(session.hidden_layers)
+    full, cache, hidden = states or target_states(target, ref, layers)
+    seq = full[0].tolist()
+    T, max_ctx = len(ref.prompt_ids), target.info.max_context
+    stops = set(cfg.stop_token_ids if cfg.stop_token_ids is not None else target.info.eos_token_ids)
+    result = GenerationResult([], T, "max_new_tokens")
+    if cfg.max_new_tokens == 0:
+        return result
+    done, given = _commit(result, [seq[T]], stops, cfg), 0
+    while not done:
+        P = T + len(result.token_ids) - 1
+        if P + 1 >= max_ctx:
+            result.stop_reason = "context"
+            break
+        cap = min(cfg.max_new_tokens - len(result.token_ids), max_ctx - P - 1) - 1
+        tree = DraftTree()
+        if cap > 0:
+            with torch.inference_mode():
+                view = TargetView(
+                    cache=cache_prefix(cache, P), hidden={k: v[:, given:P] for k, v in hidden.items()}
+                )
+                if cfg.mode == "chain":
+                    tree = draft_chain(session, full[:, : P + 1], view, min(cfg.chain_depth, cap))
+                else:
+                    tree = draft_dynamic_tree(
+                        session,
+                        full[:, : P + 1],
+                        view,
+                        min(cfg.tree_depth, cap),
+                        cfg.tree_top_k,
+                        cfg.tree_budget,
+                    )
+                session.end_cycle()
+            given = P
+        # The target's greedy token after each block position that lies on the greedy path.
+        on_path = [True]
+        for tok, parent, depth in zip(tree.tokens, tree.parents, tree.depths):
+            on_path.append(on_path[parent + 1] and tok == seq[P + 1 + depth])
+        depth_of = [-1, *tree.depths]
+        choice = [seq[P + 2 + depth_of[b]] if on_path[b] else -1 for b in range(len(tree) + 1)]
+        path, bonus = walk_tree(tree, choice.__getitem__, result)
+        if cap > 0:
+            result.accepted_per_cycle.append(len(path))
+        done = _commit(result, [tree.tokens[i] for i in path] + [bonus], stops, cfg)
+    return result
+
+
+def _meta(name: str, drafter) -> tuple[str, str, str]:
+    return (
+        name,
+        getattr(drafter, "paradigm", "baseline") or "baseline",
+        getattr(drafter, "regime", "-") or "-",
+    )
+
+
+def run_greedy_replay(
+    target, drafters: dict, refs: list[Reference], cfgs: dict[str, DecodeConfig], progress: bool = True
+) -> list[AcceptanceRun]:
+    """Temperature 0: replay every drafter in every mode (``cfgs``: mode -> config) on shared references."""
+    runs = {
+        (name, mode): AcceptanceRun(*_meta(name, d), mode, 0.0)
+        for name, d in drafters.items()
+        for mode in cfgs
+    }
+    layers = tuple(sorted({layer for d in drafters.values() for layer in d.new_session().hidden_layers}))
+    for ref in tqdm(refs, desc="replaying drafters (T=0)", disable=not progress):
+        states = target_states(target, ref, layers)
+        for name, drafter in drafters.items():
+            for mode, cfg in cfgs.items():
+                runs[name, mode].results.append(replay_greedy(target, drafter, ref, cfg, states))
+    return list(runs.values())
+
+
+def run_engine(
+    target, drafters: dict, n_questions: int | None, cfgs: dict[str, DecodeConfig], progress: bool = True
+) -> list[AcceptanceRun]:
+    """Any temperature: the real engine on both turns; turn 2 sees this run's own first answer."""
+    stops = set(target.info.eos_token_ids)
+    questions = load_mtbench(n_questions)
+    runs = []
+    for name, drafter in drafters.items():
+        for mode, cfg in cfgs.items():
+            run = AcceptanceRun(*_meta(name, drafter), mode, cfg.temperature)
+            for i, q in enumerate(
+                tqdm(questions, desc=f"{name} {mode} T={cfg.temperature:g}", disable=not progress)
+            ):
+                first = None
+                for turn in (0, 1):
+                    prompt = chat_prompt_ids(target.tokenizer, mtbench_messages(q, turn, first))
+                    seeded = dataclasses.replace(cfg, seed=cfg.seed * 1_000_003 + 2 * i + turn)
+                    out = speculative_generate(target, drafter, prompt, seeded)
+                    run.results.append(out)
+                    first = _answer_text(target.tokenizer, out.token_ids, stops)
+            runs.append(run)
+    return runs
+
+
+def acceptance_table(runs: list[AcceptanceRun], max_steps: int | None = None) -> pd.DataFrame:
+    """One row per drafter x mode x temperature x step: alpha_conditional, p_reach, n_attempts, n_accepts."""
+    rows = []
+    for run in runs:
+        attempts, accepts = metrics.sum_step_counts((r.step_attempts, r.step_accepts) for r in run.results)
+        for rec in metrics.acceptance_by_step(attempts, accepts, max_steps):
+            rows.append(
+                dict(
+                    drafter=run.drafter,
+                    paradigm=run.paradigm,
+                    regime=run.regime,
+                    mode=run.mode,
+                    temperature=run.temperature,
+                    **rec,
+                )
+            )
+    columns = [
+        "drafter",
+        "paradigm",
+        "regime",
+        "mode",
+        "temperature",
+        "step",
+        "alpha_conditional",
+        "p_reach",
+        "n_attempts",
+        "n_accepts",
+    ]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def acceptance_summary(runs: list[AcceptanceRun]) -> pd.DataFrame:
+    """One row per drafter x mode x temperature: MAT, alpha_0, alpha_6, retention, cycles, tokens."""
+    rows = []
+    for run in runs:
+        attempts, accepts = metrics.sum_step_counts((r.step_attempts, r.step_accepts) for r in run.results)
+        alpha = metrics.alpha_conditional(attempts, accepts)
+        per_cycle = [a for r in run.results for a in r.accepted_per_cycle]
+        rows.append(
+            dict(
+                drafter=run.drafter,
+                paradigm=run.paradigm,
+                regime=run.regime,
+                mode=run.mode,
+                temperature=run.temperature,
+                mat=metrics.mean_accepted_tokens(per_cycle),
+                alpha_0=alpha[0] if alpha else float("nan"),
+                alpha_6=alpha[6] if len(alpha) > 6 else float("nan"),
+                retention=metrics.retention(alpha),
+                n_cycles=len(per_cycle),
+                n_generations=len(run.results),
+                n_tokens=sum(len(r.token_ids) for r in run.results),
+                draft_s=sum(r.draft_s for r in run.results),
+            )
+        )
+    return pd.DataFrame(rows)

@@ -1,0 +1,223 @@
+"""``kvshot generate`` (decode one prompt with any drafter and mode) and ``kvshot bench`` (the speed benchmark).
+
+    kvshot generate --drafter ngram --mode chain --mt-bench 1 --max-new-tokens 64 --json
+    kvshot generate --drafter runs/default/drafters/kv-ttt --mode tree --prompt "Why is the sky blue?"
+    kvshot bench --drafters ngram self --n-prompts 4 --max-new-tokens 64 --out benchmarks/results/cli.csv
+
+Arguments are checked before the target is loaded: an unknown drafter, a drafter path that is not a
+checkpoint folder, a drafter with ``--mode ar`` (or none with chain/tree), or a negative temperature
+fail at once with a message saying what to pass instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .baseline_drafters import BASELINES, is_baseline_name, resolve_drafter
+from .decoding import MODES, DecodeConfig, generate
+
+
+def _decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--target", default="smollm2-135m", help="preset, HF id or local path (default: smollm2-135m)"
+    )
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless token for token)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--chain-depth", type=int, default=4, help="drafted tokens per chain cycle (k)")
+    p.add_argument("--tree-depth", type=int, default=6)
+    p.add_argument("--tree-top-k", type=int, default=4)
+    p.add_argument("--tree-budget", type=int, default=24, help="draft nodes verified per tree cycle")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+
+
+def add_cli(sub) -> None:
+    g = sub.add_parser("generate", help="decode a prompt (plain, chain or tree) and print the continuation")
+    _decode_args(g)
+    g.add_argument(
+        "--drafter", default="none", help=f"a checkpoint folder, or one of none, {', '.join(BASELINES)}"
+    )
+    g.add_argument(
+        "--mode", default=None, choices=MODES, help="default: ar without a drafter, chain with one"
+    )
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="user message (chat-templated unless --raw)")
+    src.add_argument("--mt-bench", type=int, metavar="N", help="MT-bench question N (1..80), first turn")
+    g.add_argument(
+        "--raw", action="store_true", help="feed --prompt as plain text, without the chat template"
+    )
+    g.add_argument(
+        "--json", action="store_true", help="print token_ids, text, accepted_per_cycle, tokens_per_s, ..."
+    )
+    g.set_defaults(func=_cli_generate)
+
+    b = sub.add_parser(
+        "bench", help="measure tokens/s of plain, chain, tree and HF decoding on MT-bench prompts"
+    )
+    _decode_args(b)
+    b.add_argument("--drafters", nargs="+", default=["ngram"], help="names or checkpoint folders")
+    b.add_argument("--methods", nargs="+", default=["ar", "chain", "tree", "hf_generate", "hf_prompt_lookup"])
+    b.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
+    b.add_argument("--n-prompts", type=int, default=4, help="first-turn MT-bench prompts")
+    b.add_argument("--out", default=None, help="write the table here (.csv or .json)")
+    b.set_defaults(func=_cli_bench)
+
+
+def check_drafter_spec(spec: str) -> None:
+    """Fail fast on a drafter argument that cannot work, before any model is loaded."""
+    if spec == "none" or is_baseline_name(spec):
+        return
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise SystemExit(
+            f"kvshot: unknown drafter {spec!r}: use none, {', '.join(BASELINES)}, early-exit-<n>, "
+            "or the folder of a trained drafter (runs/<profile>/drafters/<name>/)."
+        )
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        raise SystemExit(
+            f"kvshot: {path} is not a drafter checkpoint: expected a folder with config.json and "
+            "model.safetensors, as written by notebook 02."
+        )
+
+
+def _config(args, mode: str) -> DecodeConfig:
+    try:
+        return DecodeConfig(
+            mode=mode,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            chain_depth=args.chain_depth,
+            tree_depth=args.tree_depth,
+            tree_top_k=args.tree_top_k,
+            tree_budget=args.tree_budget,
+            seed=args.seed,
+        ).validate()
+    except ValueError as e:
+        raise SystemExit(f"kvshot: {e}") from None
+
+
+def _load(args):
+    import torch
+
+    from .targets import TargetLoadError, load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return load_target(args.target, device=args.device, dtype=args.dtype, seed=args.seed)
+    except TargetLoadError as e:
+        raise SystemExit(f"kvshot: {e}") from None
+
+
+def _cli_generate(args) -> int:
+    mode = args.mode or ("ar" if args.drafter == "none" else "chain")
+    if mode == "ar" and args.drafter != "none":
+        raise SystemExit(
+            f"kvshot: --mode ar decodes without a drafter; drop --drafter {args.drafter} or use "
+            "--mode chain / tree."
+        )
+    if mode != "ar" and args.drafter == "none":
+        raise SystemExit(
+            f"kvshot: --mode {mode} needs a drafter (--drafter ngram, self, or a checkpoint folder)."
+        )
+    if args.mt_bench is not None and not 1 <= args.mt_bench <= 80:
+        raise SystemExit(f"kvshot: --mt-bench takes a question number in 1..80, got {args.mt_bench}.")
+    check_drafter_spec(args.drafter)
+    cfg = _config(args, mode)
+    target = _load(args)
+    drafter = resolve_drafter(args.drafter, target, args.seed)
+    tok = target.tokenizer
+    if args.mt_bench is not None:
+        from .data import chat_prompt_ids, load_mtbench, mtbench_messages
+
+        prompt = chat_prompt_ids(tok, mtbench_messages(load_mtbench(args.mt_bench)[-1]))
+    elif args.raw:
+        prompt = tok(args.prompt, add_special_tokens=False)["input_ids"]
+    else:
+        from .data import chat_prompt_ids
+
+        prompt = chat_prompt_ids(tok, [{"role": "user", "content": args.prompt}])
+    out = generate(target, prompt, cfg, drafter)
+    text = tok.decode(out.token_ids, skip_special_tokens=True)
+    if args.json:
+        print(
+            json.dumps(
+                dict(
+                    token_ids=out.token_ids,
+                    text=text,
+                    accepted_per_cycle=out.accepted_per_cycle,
+                    tokens_per_s=out.tokens_per_s,
+                    mat=None if out.n_cycles == 0 else out.mat,
+                    n_cycles=out.n_cycles,
+                    stop_reason=out.stop_reason,
+                    prompt_len=out.prompt_len,
+                    step_attempts=out.step_attempts,
+                    step_accepts=out.step_accepts,
+                    prefill_s=out.prefill_s,
+                    draft_s=out.draft_s,
+                    verify_s=out.verify_s,
+                    total_s=out.total_s,
+                    mode=mode,
+                    drafter=args.drafter,
+                )
+            )
+        )
+    else:
+        print(text)
+        summary = f"[{len(out.token_ids)} tokens, {out.tokens_per_s:.1f} tokens/s"
+        print(summary + (f", MAT {out.mat:.2f}]" if out.n_cycles else "]"), file=sys.stderr)
+    return 0
+
+
+def _cli_bench(args) -> int:
+    from . import speedup
+
+    for spec in args.drafters:
+        check_drafter_spec(spec)
+    if args.n_prompts < 1:
+        raise SystemExit("kvshot: --n-prompts must be at least 1.")
+    base = _config(args, "chain")
+    for t in args.temperatures:
+        _config(argparse.Namespace(**{**vars(args), "temperature": t}), "chain")
+    bad = [m for m in args.methods if m not in speedup.METHODS]
+    if bad:
+        raise SystemExit(f"kvshot: unknown methods {bad}; choose from {speedup.METHODS}.")
+    target = _load(args)
+    drafters = {spec: resolve_drafter(spec, target, args.seed) for spec in args.drafters}
+    prompts = speedup.mtbench_first_turns(target.tokenizer, args.n_prompts)
+    plan = speedup.run_benchmark(target, drafters, prompts, args.methods, args.temperatures, base)
+    table = speedup.speedup_table(plan)
+    import pandas as pd
+
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(
+            table[
+                [
+                    "method",
+                    "drafter",
+                    "temperature",
+                    "tokens_per_s",
+                    "speedup_vs_ar",
+                    "mat",
+                    "exact_match_vs_ar",
+                ]
+            ].to_string(index=False, float_format=lambda x: f"{x:.3f}")
+        )
+    print(f"machine: {speedup.machine_info()}")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        table.to_json(out, orient="records", indent=1) if out.suffix == ".json" else table.to_csv(
+            out, index=False
+        )
+        print(f"wrote {out}")
+    return 0
