@@ -15,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import runner
 
     runner.add_cli(sub)  # kvshot run
+    from . import generate_cli; generate_cli.add_cli(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 
