@@ -16,8 +16,8 @@ Per group and probe step (:class:`GradProbe`, after ``backward``, before any gra
 
 Per own-K/V position (layer, unrolled step the key was made at): the norm of the gradient reaching that
 key and value, and the attention it received (summed over heads and every query that saw it), with their
-Spearman correlation; plus each segment's share of the attention mass (target KV, own KV, the first
-"sink" position). The softmax weights a key's gradient by the attention it receives, so if the drafter
+Spearman correlation; plus each segment's share of the attention mass (target KV, own context K/V, own
+branch K/V, and the first "sink" key). The softmax weights a key's gradient by the attention it receives, so if the drafter
 looks mostly at the target's KV or a sink, its own K/V positions get little gradient.
 """
 
@@ -113,8 +113,10 @@ class GradProbe:
         self.positions: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # group -> [nonzero, total]
         self.received: dict[tuple, Tensor] = {}
         self.mass: dict[tuple, list[float]] = defaultdict(
-            lambda: [0.0, 0.0, 0.0]
-        )  # tag -> [mass, sink, rows]
+            lambda: [0.0, 0.0]
+        )  # (segment, layer) -> [mass, sink]
+        self.rows: dict[tuple, int] = defaultdict(int)  # (softmax, layer) -> query rows x heads seen
+        self.softmax_of: dict[tuple, str] = {}
         self.own: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         self._handles: list = []
 
@@ -155,10 +157,14 @@ class GradProbe:
 
     def attention(self, segments: list, probs: list[Tensor]) -> None:
         """One softmax's segments and their weights ``[B, kvH, g, n, S]`` (dense) or ``[..., n, 1]`` (diag)."""
-        kinds_seen = set()
-        for s, p in zip(segments, probs):
-            if s.tag is None:
-                continue
+        tagged = [(s, p) for s, p in zip(segments, probs) if s.tag is not None]
+        if not tagged:
+            return
+        layer = tagged[0][0].tag[1]
+        softmax = "cross" if all(s.tag[0] == "target" for s, _ in tagged) else "self"
+        p0 = tagged[0][1]
+        self.rows[(softmax, layer)] += p0.shape[0] * p0.shape[1] * p0.shape[2] * p0.shape[3]
+        for s, p in tagged:
             tag = s.tag
             if s.kind == "dense":
                 rec = p.sum(dim=(1, 2, 3))  # [B, S]: attention received by each key, over heads and queries
@@ -168,12 +174,11 @@ class GradProbe:
                 full = self.own[(tag[1], tag[2])][0].shape[2]
                 rec = rec.new_zeros(rec.shape[0], full).index_add_(1, s.rows, rec)
             self.received[tag] = rec if tag not in self.received else self.received[tag] + rec
-            m = self.mass[tag[:2]]
+            label = "target" if tag[0] == "target" else ("own_context" if s.kind == "dense" else "own_branch")
+            m = self.mass[(label, layer)]
             m[0] += float(p.sum())
             m[1] += float(p[..., 0].sum()) if s.kind == "dense" else 0.0
-            if tag[:2] not in kinds_seen:  # rows of this softmax, once per segment kind
-                kinds_seen.add(tag[:2])
-                m[2] += p.shape[0] * p.shape[1] * p.shape[2] * p.shape[3]
+            self.softmax_of[(label, layer)] = softmax
 
     # ---------------------------------------------------------------------------------- results (backward)
 
@@ -235,12 +240,12 @@ class GradProbe:
         return rows, samples
 
     def mass_rows(self) -> list[dict]:
-        """Share of attention mass per segment kind and layer: target KV, own KV, and the first (sink) key."""
+        """Share of attention mass per segment and layer, and of the segment's first ("sink") key.
+
+        Segments: ``target`` (the target's KV), ``own_context`` (the drafter's own K/V of the committed context:
+        hidden and hybrid drafters), ``own_branch`` (its own K/V of the branch: the root and drafted tokens)."""
         out = []
-        for (kind, layer), (mass, sink, n_rows) in sorted(
-            self.mass.items(), key=lambda x: (x[0][1], x[0][0])
-        ):
-            out.append(
-                dict(layer=layer, segment=kind, share=mass / max(n_rows, 1), sink_share=sink / max(n_rows, 1))
-            )
+        for (label, layer), (mass, sink) in sorted(self.mass.items(), key=lambda x: (x[0][1], x[0][0])):
+            n_rows = max(self.rows[(self.softmax_of[(label, layer)], layer)], 1)
+            out.append(dict(layer=layer, segment=label, share=mass / n_rows, sink_share=sink / n_rows))
         return out

@@ -175,3 +175,21 @@ def _check_type(label: str, name: str, value, annotation: str) -> None:
         raise TrainConfigError(
             f"drafter {label!r}: {name} must be {ann}, got {value!r} ({type(value).__name__})."
         )
+
+
+def parse_drafter_specs(specs, defaults: dict | None = None) -> list[TrainConfig]:
+    """A notebook's ``drafters`` list (dicts over shared ``defaults``) as validated configs with distinct names."""
+    if not isinstance(specs, (list, tuple)) or not specs:
+        raise TrainConfigError(f"drafters must be a non-empty list of dicts, got {specs!r}.")
+    configs = []
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, dict):
+            raise TrainConfigError(
+                f"drafters[{i}] must be a dict like {{'paradigm': 'kv', 'regime': 'ttt'}}, got {spec!r}."
+            )
+        configs.append(TrainConfig.from_params(spec, defaults))
+    names = [c.name for c in configs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise TrainConfigError(f"drafter names {dupes} appear twice; give each a distinct 'name'.")
+    return configs

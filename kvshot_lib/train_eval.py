@@ -14,6 +14,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -131,3 +132,57 @@ def gate_summary(drafter) -> dict:
     return dict(
         gate_mean=float(g.mean()), gate_std=float(g.std()), gate_p10=q[0], gate_p50=q[1], gate_p90=q[2]
     )
+
+
+def per_step_table(results) -> pd.DataFrame:
+    """Final held-out per-step accuracy of finished runs: one row per (drafter, draft step)."""
+    rows = []
+    for r in results:
+        final = r.final_eval()
+        c = r.config
+        steps = sorted(int(k[4:]) for k in final if k.startswith("acc_"))
+        for k in steps:
+            rows.append(
+                dict(
+                    drafter=c.name,
+                    paradigm=c.paradigm,
+                    regime=c.regime,
+                    kv_mode=c.kv_mode,
+                    n_layers=c.n_layers,
+                    draft_step=k,
+                    accuracy=final[f"acc_{k}"],
+                    ce=final[f"ce_{k}"],
+                    n=final[f"n_{k}"],
+                    ceiling=final.get("ceiling"),
+                )
+            )
+    return pd.DataFrame(rows)
+
+
+def training_times(results) -> pd.DataFrame:
+    """Wall-clock training time and throughput of finished runs."""
+    rows = []
+    for r in results:
+        tokens = sum(h["tokens"] for h in r.logs.get("history", []))
+        rows.append(
+            dict(
+                drafter=r.config.name,
+                paradigm=r.config.paradigm,
+                regime=r.config.regime,
+                train_steps=r.config.train_steps,
+                train_tokens=tokens,
+                seconds=round(r.train_seconds, 1),
+                tokens_per_second=round(tokens / max(r.train_seconds, 1e-9), 1),
+            )
+        )
+    return pd.DataFrame(rows)
+
+
+def combined_table(results, name: str) -> pd.DataFrame:
+    """One log table (``history``, ``eval``, ``grad_probes``, ...) of several runs, stacked."""
+    frames = [
+        r.table(name).assign(drafter=r.config.name, paradigm=r.config.paradigm, regime=r.config.regime)
+        for r in results
+        if r.logs.get(name)
+    ]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

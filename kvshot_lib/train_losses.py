@@ -128,7 +128,7 @@ def regime_loss(
     with torch.no_grad():
         probs = target_probs(batch.final_hidden, drafter.head)  # [B, T, V_draft]
     total = torch.zeros((), device=probs.device)
-    parts: dict = {"ce": [], "acc": [], "n": []}
+    parts: dict = {"ce": [], "kl": [], "acc": [], "n": []}
     for k, (h, rows) in enumerate(zip(un.outs, un.rows)):
         mask = at_rows(step_mask(batch, k), rows)  # [B, n]
         logits = drafter.logits(h[mask])  # [M, V_draft]
@@ -139,6 +139,8 @@ def regime_loss(
         total = total + weight * ce
         with torch.no_grad():
             agree = int((logits.argmax(-1) == p_k.argmax(-1)).sum())
+            entropy = float(-(p_k * p_k.clamp_min(1e-30).log()).sum()) / max(n, 1)
+        parts["kl"].append(float(ce.detach()) - entropy)  # CE minus the target's entropy: 0 at a perfect fit
         parts["ce"].append(float(ce.detach()))
         parts["acc"].append(agree / max(n, 1))
         parts["n"].append(n)

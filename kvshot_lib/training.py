@@ -179,9 +179,9 @@ def train_drafter(
         meta = load_train_state(out, drafter, optimizer)
         start, logs, seconds = meta["step"], meta["logs"], meta["logs"].get("_seconds", 0.0)
     logs.pop("_seconds", None)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg), last_epoch=-1)
-    for _ in range(start):
-        scheduler.step()
+    schedule = _lr_lambda(cfg)
+    for group in optimizer.param_groups:
+        group.setdefault("base_lr", group["lr"])
     objective, optimizer = acc.prepare(Objective(drafter, cfg), optimizer)
     dev = acc.device
     loader = StoreBatches(
@@ -233,14 +233,15 @@ def train_drafter(
         grad_norm = (
             acc.clip_grad_norm_(drafter.parameters(), cfg.grad_clip) if cfg.grad_clip else torch.tensor(0.0)
         )
+        for group in optimizer.param_groups:  # warmup + cosine, a function of the step (exact on resume)
+            group["lr"] = group["base_lr"] * schedule(step)
         optimizer.step()
-        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         tokens = int(batch.lengths.sum()) * acc.num_processes
         row = dict(
             step=step + 1,
             loss=float(loss.detach()),
-            lr=scheduler.get_last_lr()[0],
+            lr=cfg.lr * schedule(step),
             grad_norm=float(grad_norm),
             tokens=tokens,
             seconds=time.perf_counter() - t_start,

@@ -1,0 +1,228 @@
+"""Figures of drafter training (notebook 02) and of the K/V-gradient probes (notebook 05), one function each.
+
+Every function takes the tables that :mod:`kvshot_lib.training` writes (pandas DataFrames) and returns a
+matplotlib figure; save it with :func:`kvshot_lib.plots.save_figure`.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+PARADIGM_COLORS = {"hidden": "#4C72B0", "kv": "#C44E52", "hybrid": "#55A868"}
+REGIME_STYLES = {"tf": ":", "ttt": "-", "block": "--"}
+GROUP_COLORS = {
+    "kv_proj": "#C44E52",
+    "q_proj": "#4C72B0",
+    "o_proj": "#8172B2",
+    "mlp": "#937860",
+    "fusion": "#55A868",
+    "gate": "#DD8452",
+    "kv_inject": "#DA8BC3",
+    "norm": "#8C8C8C",
+}
+
+
+def _style(paradigm: str, regime: str) -> dict:
+    return dict(color=PARADIGM_COLORS.get(paradigm, "k"), ls=REGIME_STYLES.get(regime, "-"))
+
+
+def _drafters(df: pd.DataFrame) -> list[tuple[str, str, str]]:
+    return list(df[["drafter", "paradigm", "regime"]].drop_duplicates().itertuples(index=False, name=None))
+
+
+def plot_training_curves(history: pd.DataFrame, smooth: int = 10):
+    """Training loss and training step-0 agreement with the target, per drafter, against optimizer steps."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for name, paradigm, regime in _drafters(history):
+        h = history[history["drafter"] == name].sort_values("step")
+        kw = dict(**_style(paradigm, regime), label=name, lw=1.4)
+        axes[0].plot(h["step"], h["loss"].rolling(smooth, min_periods=1).mean(), **kw)
+        axes[1].plot(h["step"], h["acc_0"].rolling(smooth, min_periods=1).mean(), **kw)
+    axes[0].set_ylabel(f"training loss (rolling mean of {smooth})")
+    axes[1].set_ylabel("step-0 top-1 agreement with the target (train)")
+    for ax in axes:
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    axes[1].legend(frameon=False, fontsize=8)
+    fig.suptitle("Drafter training (color: paradigm, line: regime — dotted tf, solid TTT, dashed block)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_per_step_accuracy(per_step: pd.DataFrame):
+    """Held-out accuracy by draft step k (left) and retention acc_k / acc_0 (right), per drafter."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name, paradigm, regime in _drafters(per_step):
+        d = per_step[per_step["drafter"] == name].sort_values("draft_step")
+        kw = dict(**_style(paradigm, regime), marker="o", ms=4, label=name)
+        axes[0].plot(d["draft_step"], d["accuracy"], **kw)
+        axes[1].plot(d["draft_step"], d["accuracy"] / d["accuracy"].iloc[0], **kw)
+    if "ceiling" in per_step:
+        axes[0].axhline(
+            per_step["ceiling"].max(), color="k", lw=0.8, ls=":", label="draft-vocabulary ceiling"
+        )
+    axes[0].set_ylabel("held-out accuracy at draft step k\n(draft argmax = target's greedy token)")
+    axes[1].set_ylabel("retention  acc_k / acc_0")
+    for ax in axes:
+        ax.set_xlabel("draft step k")
+        ax.grid(alpha=0.3)
+    axes[0].legend(frameon=False, fontsize=8)
+    fig.suptitle("Long-range decay: per-step accuracy on held-out ShareGPT (teacher-forced prefix)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_heldout_over_training(evals: pd.DataFrame, steps: tuple[int, ...] = (0, 3, 6)):
+    """Held-out accuracy at a few draft steps over the course of training, per drafter."""
+    steps = [k for k in steps if f"acc_{k}" in evals]
+    fig, axes = plt.subplots(1, len(steps), figsize=(4.2 * len(steps), 3.8), sharey=True, squeeze=False)
+    for ax, k in zip(axes[0], steps):
+        for name, paradigm, regime in _drafters(evals):
+            e = evals[evals["drafter"] == name].sort_values("step")
+            ax.plot(e["step"], e[f"acc_{k}"], **_style(paradigm, regime), marker=".", label=name)
+        ax.set_title(f"draft step {k}")
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("held-out accuracy")
+    axes[0][-1].legend(frameon=False, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_grad_group_stats(probes: pd.DataFrame, stats=("rms", "frac_small", "hoyer", "position_share")):
+    """Per drafter (columns), each gradient statistic (rows) of every parameter group over training."""
+    probes = probes.assign(
+        position_share=probes["n_positions"] / probes["n_positions_total"].replace(0, np.nan)
+    )
+    names = _drafters(probes)
+    fig, axes = plt.subplots(
+        len(stats), len(names), figsize=(3.6 * len(names), 2.6 * len(stats)), sharex="col", squeeze=False
+    )
+    labels = {
+        "rms": "gradient RMS per entry",
+        "l2": "gradient L2",
+        "frac_small": "share of entries < 1% of RMS",
+        "hoyer": "Hoyer sparsity",
+        "position_share": "share of positions\nwith any gradient",
+    }
+    for j, (name, _, _) in enumerate(names):
+        d = probes[probes["drafter"] == name]
+        for group, g in d.groupby("group"):
+            g = g.sort_values("step")
+            for i, stat in enumerate(stats):
+                axes[i][j].plot(
+                    g["step"],
+                    g[stat],
+                    color=GROUP_COLORS.get(group, "k"),
+                    label=group,
+                    lw=2.2 if group == "kv_proj" else 1.0,
+                )
+        axes[0][j].set_title(name)
+        axes[-1][j].set_xlabel("optimizer step")
+        for i, stat in enumerate(stats):
+            if stat in ("rms", "l2"):
+                axes[i][j].set_yscale("log")
+            axes[i][0].set_ylabel(labels.get(stat, stat))
+            axes[i][j].grid(alpha=0.3)
+    handles, lbls = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, lbls, loc="upper center", ncol=len(lbls), frameon=False, bbox_to_anchor=(0.5, 1.02))
+    fig.tight_layout()
+    return fig
+
+
+def plot_kv_vs_other_groups(probes: pd.DataFrame, stat: str = "rms"):
+    """The K/V projections' gradient relative to the drafter's other groups (median over training), per drafter."""
+    med = probes.groupby(["drafter", "group"])[stat].median().unstack("group")
+    rel = med.div(med.drop(columns=["norm"], errors="ignore").median(axis=1), axis=0)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(rel), 4))
+    groups = [g for g in GROUP_COLORS if g in rel.columns and g != "norm"]
+    width = 0.8 / len(groups)
+    x = np.arange(len(rel))
+    for i, g in enumerate(groups):
+        ax.bar(x + i * width, rel[g], width, color=GROUP_COLORS[g], label=g)
+    ax.set_xticks(x + 0.4 - width / 2, rel.index, rotation=20, ha="right")
+    ax.set_yscale("log")
+    ax.axhline(1, color="k", lw=0.8)
+    ax.set_ylabel(f"gradient {stat} / drafter's median group {stat}")
+    ax.legend(frameon=False, fontsize=8, ncol=2)
+    ax.set_title("How much gradient reaches each parameter group (median over training)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_kv_position_gradients(samples: pd.DataFrame, kv_positions: pd.DataFrame | None = None):
+    """Per own-K/V position: attention received vs. the norm of its key gradient, colored by unrolled step."""
+    names = _drafters(samples)
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.8), squeeze=False)
+    cmap = plt.get_cmap("viridis")
+    for ax, (name, _, _) in zip(axes[0], names):
+        d = samples[(samples["drafter"] == name) & (samples["layer"] == 0)]
+        top = max(1, int(d["own_step"].max()))
+        for step, g in d.groupby("own_step"):
+            ok = (g["received"] > 0) & (g["grad_k"] > 0)
+            ax.scatter(
+                g["received"][ok],
+                g["grad_k"][ok],
+                s=5,
+                alpha=0.5,
+                color=cmap(step / top),
+                label=f"made at step {step}",
+            )
+        if kv_positions is not None:
+            kp = kv_positions[(kv_positions["drafter"] == name) & (kv_positions["layer"] == 0)]
+            last = kp[kp["step"] == kp["step"].max()]
+            rho = ", ".join(f"{r.own_step}:{r.spearman_k:.2f}" for r in last.itertuples())
+            ax.set_title(f"{name}\nSpearman ρ by step  {rho}", fontsize=9)
+        else:
+            ax.set_title(name)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("attention received (sum over heads, queries)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("‖∂L/∂k‖ at that position")
+    axes[0][-1].legend(frameon=False, fontsize=7, markerscale=3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_attention_mass(mass: pd.DataFrame):
+    """Share of the drafter's attention on the target's KV, its own KV, and the first (sink) key, layer 0."""
+    last = mass[mass["step"] == mass.groupby("drafter")["step"].transform("max")]
+    last = last[last["layer"] == 0]
+    rows = []
+    for (name, seg), g in last.groupby(["drafter", "segment"]):
+        rows.append(dict(drafter=name, part=f"{seg} KV", share=g["share"].mean() - g["sink_share"].mean()))
+        rows.append(dict(drafter=name, part=f"{seg} first key (sink)", share=g["sink_share"].mean()))
+    t = pd.DataFrame(rows).pivot(index="drafter", columns="part", values="share").fillna(0)
+    fig, ax = plt.subplots(figsize=(7, 0.6 + 0.5 * len(t)))
+    t.plot.barh(stacked=True, ax=ax, colormap="tab20c")
+    ax.set_xlabel("share of attention mass (per softmax; the hybrid has two)")
+    ax.legend(frameon=False, fontsize=8, bbox_to_anchor=(1, 1))
+    fig.tight_layout()
+    return fig
+
+
+def plot_remedies(per_step: pd.DataFrame, probes: pd.DataFrame | None = None):
+    """The remedy experiment: held-out per-step accuracy per remedy, and the K/V-projection gradient it saw."""
+    n = 2 if probes is not None else 1
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    for i, (name, d) in enumerate(per_step.groupby("drafter", sort=False)):
+        d = d.sort_values("draft_step")
+        axes[0][0].plot(d["draft_step"], d["accuracy"], marker="o", ms=4, color=cmap(i), label=name)
+        if probes is not None:
+            p = probes[(probes["drafter"] == name) & (probes["group"] == "kv_proj")].sort_values("step")
+            axes[0][1].plot(p["step"], p["rms"], color=cmap(i), label=name)
+    axes[0][0].set_xlabel("draft step k")
+    axes[0][0].set_ylabel("held-out accuracy")
+    axes[0][0].legend(frameon=False, fontsize=8)
+    axes[0][0].grid(alpha=0.3)
+    if probes is not None:
+        axes[0][1].set_yscale("log")
+        axes[0][1].set_xlabel("optimizer step")
+        axes[0][1].set_ylabel("kv_proj gradient RMS (before any scaling)")
+        axes[0][1].grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,156 @@
+"""Drafters on tiny models: shapes, the draft vocabulary, bitwise checkpoint round trips, wrong-target loads."""
+
+import json
+
+import pytest
+import torch
+
+from kvshot_lib.drafters import (
+    DrafterConfigError,
+    DrafterTargetMismatch,
+    SessionFactory,
+    build_drafter,
+    draft_vocab_from_counts,
+    drafter_config_for,
+    load_drafter,
+    save_drafter,
+    target_to_draft,
+    vocab_hash,
+)
+from kvshot_lib.drafters.vocab import coverage
+from kvshot_lib.grad_probes import grouped_parameters
+from kvshot_lib.targets import load_target
+from kvshot_lib.train_data import batch_from_target
+
+VARIANTS = [
+    ("hidden", "concat", 1),
+    ("hidden", "concat", 2),
+    ("kv", "concat", 1),
+    ("kv", "linear", 2),
+    ("kv", "linear_rope", 4),
+    ("hybrid", "concat", 1),
+    ("hybrid", "linear_rope", 2),
+]
+D2T = torch.arange(0, 2 * 1024, 2)  # a 1024-token draft vocabulary
+
+
+def make(target, paradigm, mode="concat", n_layers=1, seed=0, **kw):
+    cfg = drafter_config_for(
+        target,
+        paradigm,
+        n_layers=n_layers,
+        kv_mode=mode,
+        draft_vocab_size=len(D2T),
+        name=f"{paradigm}-{mode}-{n_layers}",
+        regime="ttt",
+        **kw,
+    )
+    d = build_drafter(cfg, target, D2T, seed=seed)
+    with torch.no_grad():  # move every parameter off its initial value so a round trip is a real test
+        for p in d.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return d
+
+
+@pytest.fixture(scope="module")
+def seq(tiny_llama):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 4000, (20,), generator=g)
+    mask = torch.ones(20, dtype=torch.bool)
+    mask[:5] = False
+    return ids, mask
+
+
+@pytest.mark.parametrize("paradigm,mode,n_layers", VARIANTS)
+def test_shapes_and_groups(tiny_llama, seq, paradigm, mode, n_layers):
+    d = make(tiny_llama, paradigm, mode, n_layers)
+    assert isinstance(d, SessionFactory) and d.paradigm == paradigm and d.regime == "ttt" and d.name
+    batch = batch_from_target(tiny_llama, *seq, d.cfg)
+    T, H = 20, tiny_llama.info.hidden_size
+    un = d(batch, 3)
+    assert [tuple(h.shape) for h in un.outs] == [(1, T - 1, H)] * 3
+    assert d.logits(un.outs[0]).shape == (1, T - 1, len(D2T))
+    sel = torch.tensor([0, 7, 11])
+    assert d(batch, 3, branches=sel).outs[2].shape == (1, 3, H)
+    groups = set(grouped_parameters(d))
+    assert {"kv_proj", "q_proj", "o_proj", "mlp"} <= groups
+    assert ("fusion" in groups) == (paradigm != "kv")
+    assert ("gate" in groups) == (paradigm == "hybrid")
+    assert ("kv_inject" in groups) == (mode != "concat" and paradigm != "hidden")
+    assert "other" not in groups
+    # the target's embedding and head are frozen and not part of the drafter's parameters or state
+    n_target = sum(p.numel() for p in tiny_llama.model.parameters())
+    assert d.n_trainable() < n_target / 4
+    assert set(d.state_dict()) == {n for n, _ in d.named_parameters()} | {"d2t", "target_probe"}
+
+
+def test_draft_vocab_mapping():
+    counts = torch.zeros(50, dtype=torch.int64)
+    counts[[7, 3, 40, 12, 9]] = torch.tensor([5, 9, 9, 1, 5])
+    d2t = draft_vocab_from_counts(counts, 4)
+    # most frequent first: 3 and 40 (9 each), then 7 and 9 (5 each, tie broken by the smaller id); sorted by id
+    assert d2t.tolist() == [3, 7, 9, 40]
+    assert draft_vocab_from_counts(counts, 4, always=(0,)).tolist() == [0, 3, 7, 40]  # 0 forced in, 9 drops
+    filled = draft_vocab_from_counts(counts, 8)  # only 5 ids were seen: filled with the smallest unused ids
+    assert filled.tolist() == [0, 1, 2, 3, 7, 9, 12, 40]
+    t2d = target_to_draft(d2t, 50)
+    assert t2d[d2t].tolist() == [0, 1, 2, 3] and (t2d >= 0).sum() == 4 and t2d[12] == -1
+    assert coverage(d2t, counts) == pytest.approx(28 / 29)
+    assert vocab_hash(d2t) == vocab_hash(d2t.clone()) != vocab_hash(filled)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        draft_vocab_from_counts(counts, 51)
+
+
+@pytest.mark.parametrize("paradigm,mode,n_layers", VARIANTS)
+def test_checkpoint_round_trip_is_bitwise(tiny_llama, seq, tmp_path, paradigm, mode, n_layers):
+    d = make(tiny_llama, paradigm, mode, n_layers)
+    save_drafter(d, tmp_path / "ck")
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["config.json", "model.safetensors"]
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert cfg["paradigm"] == paradigm and cfg["regime"] == "ttt" and cfg["target_name"] == "tiny-llama"
+    assert cfg["vocab_hash"] == vocab_hash(D2T) and cfg["hidden_layers"] == list(d.cfg.hidden_layers)
+    e = load_drafter(tmp_path / "ck", tiny_llama)
+    a, b = d.state_dict(), e.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    batch = batch_from_target(tiny_llama, *seq, d.cfg)
+    assert all(torch.equal(x, y) for x, y in zip(d(batch, 2).outs, e(batch, 2).outs))
+
+
+def test_wrong_target_raises(tiny_llama, tiny_qwen3, tmp_path):
+    save_drafter(make(tiny_llama, "hybrid"), tmp_path / "ck")
+    with pytest.raises(DrafterTargetMismatch, match="tiny-llama.*tiny-qwen3"):
+        load_drafter(tmp_path / "ck", tiny_qwen3)
+    other_weights = load_target("tiny-llama", device="cpu", seed=1)  # same architecture, other weights
+    with pytest.raises(DrafterTargetMismatch, match="different embedding weights"):
+        load_drafter(tmp_path / "ck", other_weights)
+
+
+def test_bad_checkpoints_raise_clearly(tiny_llama, tmp_path):
+    with pytest.raises(FileNotFoundError, match="No drafter checkpoint"):
+        load_drafter(tmp_path / "nowhere", tiny_llama)
+    path = save_drafter(make(tiny_llama, "kv"), tmp_path / "ck")
+    (path / "model.safetensors").rename(path / "gone")
+    with pytest.raises(FileNotFoundError, match="lacks model.safetensors"):
+        load_drafter(path, tiny_llama)
+    (path / "gone").rename(path / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "paradigm": "telepathy"}))
+    with pytest.raises(DrafterConfigError, match="paradigm must be one of"):
+        load_drafter(path, tiny_llama)
+    (path / "config.json").write_text(json.dumps({**cfg, "vocab_hash": "0" * 16}))
+    with pytest.raises(DrafterConfigError, match="draft vocabulary"):
+        load_drafter(path, tiny_llama)
+    (path / "config.json").write_text(json.dumps({**cfg, "n_layers": 2}))  # weights of a 1-layer drafter
+    with pytest.raises(DrafterConfigError, match="does not fit its config"):
+        load_drafter(path, tiny_llama)
+
+
+def test_config_validation(tiny_llama):
+    with pytest.raises(DrafterConfigError, match="n_layers must be an integer in 1..4"):
+        drafter_config_for(tiny_llama, "kv", n_layers=5)
+    with pytest.raises(DrafterConfigError, match="kv_mode"):
+        drafter_config_for(tiny_llama, "kv", kv_mode="sideways")
+    with pytest.raises(DrafterConfigError, match="hidden_layers"):
+        drafter_config_for(tiny_llama, "hidden", hidden_layers=(1, 99))
