@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runner.add_cli(sub)  # kvshot run
     from . import generate_cli; generate_cli.add_cli(sub)
+    from . import train_cli; train_cli.add_cli(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 
