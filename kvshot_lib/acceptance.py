@@ -161,6 +161,14 @@ def replay_greedy(target, drafter, ref: Reference, cfg: DecodeConfig, states=Non
     return result
 
 
+def mode_configs(base: DecodeConfig, modes) -> dict[str, DecodeConfig]:
+    """``{mode: base with that mode}`` for chain and/or tree, validated."""
+    bad = [m for m in modes if m not in ("chain", "tree")]
+    if bad:
+        raise ValueError(f"acceptance is measured in modes 'chain' and 'tree'; got {bad}.")
+    return {m: dataclasses.replace(base, mode=m).validate() for m in modes}
+
+
 def _meta(name: str, drafter) -> tuple[str, str, str]:
     return (
         name,

@@ -31,6 +31,7 @@ from transformers import DynamicCache
 
 from .draft_tree import DraftTree, ancestor_matrix, draft_chain, draft_dynamic_tree, tree_attention_mask
 from .drafters.base import TargetView
+from .linear_kernels import small_batch_linear
 from .sampling import accept_draft_tokens, check_sampling_args, logits_to_probs, residual_probs, sample
 
 MODES = ("ar", "chain", "tree")
@@ -52,6 +53,7 @@ class DecodeConfig:
     tree_budget: int = 24
     stop_token_ids: tuple[int, ...] | None = None  # None: the target's EOS ids
     seed: int = 0
+    small_batch_kernel: bool = True  # CPU: a faster matmul for 2-8-token blocks (kvshot_lib.linear_kernels)
 
     def validate(self) -> DecodeConfig:
         if self.mode not in MODES:
@@ -245,7 +247,6 @@ def _verify(tree: DraftTree, logits: Tensor, cfg: DecodeConfig, gen, d2t, result
     return walk_tree(tree, lambda b: _choose(logits[b], cfg, gen), result)
 
 
-@torch.inference_mode()
 def speculative_generate(
     target,
     drafter,
@@ -259,6 +260,12 @@ def speculative_generate(
     cfg.validate()
     if cfg.mode == "ar":
         return autoregressive_generate(target, prompt_ids, cfg)
+    with small_batch_linear(target.model, drafter, enabled=cfg.small_batch_kernel):
+        return _speculative(target, drafter, prompt_ids, cfg, on_cycle)
+
+
+@torch.inference_mode()
+def _speculative(target, drafter, prompt_ids, cfg: DecodeConfig, on_cycle) -> GenerationResult:
     model, max_ctx, dev = target.model, target.info.max_context, target.model.device
     ids = _check_prompt(prompt_ids, max_ctx).to(dev)
     stops = set(cfg.stop_token_ids if cfg.stop_token_ids is not None else target.info.eos_token_ids)

@@ -22,6 +22,7 @@ from kvshot_lib.targets import load_target
 
 N_PROMPTS = 50
 MAX_NEW = 12
+GREEDY_NEW = 10  # tokens per prompt in the 50-prompt equality test
 
 
 def spread_target(name: str, seed: int = 1, std: float = 0.2):
@@ -125,11 +126,13 @@ MODES = [("chain", dict(chain_depth=k)) for k in (1, 2, 3, 5, 8)] + [
 def test_greedy_equals_plain_decoding_on_50_prompts(llama, prompts, reference, drafter_name):
     drafter = resolve_drafter(drafter_name, llama, seed=7)
     for mode, kw in MODES:
-        cfg = DecodeConfig(mode=mode, max_new_tokens=MAX_NEW, stop_token_ids=(), **kw)
+        cfg = DecodeConfig(mode=mode, max_new_tokens=GREEDY_NEW, stop_token_ids=(), **kw)
         accepted = drafted = 0
         for prompt, ref in zip(prompts, reference):
             out = speculative_generate(llama, drafter, prompt, cfg)
-            assert out.token_ids == ref, f"{drafter_name} {mode} {kw}: differs from plain greedy decoding"
+            assert out.token_ids == ref[:GREEDY_NEW], (
+                f"{drafter_name} {mode} {kw}: differs from plain greedy decoding"
+            )
             accepted += sum(out.step_accepts)
             drafted += sum(out.step_attempts)
         rate = accepted / drafted

@@ -18,7 +18,7 @@ from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, speculati
 from kvshot_lib.drafters import build_drafter, drafter_config_for
 from kvshot_lib.sampling import logits_to_probs
 
-N_RUNS = 600
+N_RUNS = 400
 STRICT = 1e-4
 
 

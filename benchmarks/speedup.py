@@ -1,0 +1,168 @@
+"""Decoding speed on the default target: plain decoding, every drafter in chain and tree mode, HF generate.
+
+Reports, on this machine, in one run:
+* a bare greedy loop (``model(tok, past_key_values=cache)`` + argmax: the floor of Python overhead) and
+  our plain decoding (``mode="ar"``) in tokens/s;
+* the cost of one target forward of k new tokens on a cache, relative to k = 1, with and without the
+  small-batch matmul kernel (``kvshot_lib.linear_kernels``): what verifying a k-token block costs;
+* the MT-bench speed table of ``kvshot_lib.speedup`` (the one notebook 06 writes) for the baseline drafters
+  and every trained drafter under ``--run-dir``/drafters/, with the best chain and tree speedups.
+
+Prints and saves ``benchmarks/results/speedup_<machine>.json``. Usage:
+    python benchmarks/speedup.py [--n-prompts 6] [--max-new-tokens 96] [--threads 1] [--drafters ngram self]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from kvshot_lib import speedup
+from kvshot_lib.baseline_drafters import drafters_for_run
+from kvshot_lib.decoding import DecodeConfig, autoregressive_generate
+from kvshot_lib.linear_kernels import small_batch_linear
+from kvshot_lib.targets import load_target
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@torch.inference_mode()
+def bare_loop_tokens_per_s(model, prompt: list[int], n: int) -> float:
+    cache = DynamicCache(config=model.config)
+    tok = (
+        model(torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    )  # [1, 1]
+    t0 = time.perf_counter()
+    for _ in range(n):
+        tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    return n / (time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def block_costs(model, prompt: list[int], ks=(1, 2, 3, 4, 5, 8, 16, 32), reps: int = 5) -> dict:
+    """Median seconds of a k-token forward on a cache of the prompt, with and without the kernel."""
+    cache = DynamicCache(config=model.config)
+    model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    out = {}
+    for kernel in (False, True):
+        with small_batch_linear(model, enabled=kernel):
+            for k in ks:
+                x = torch.randint(100, 1000, (1, k))
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    model(x, past_key_values=cache, use_cache=True)
+                    times.append(time.perf_counter() - t0)
+                    cache.crop(-k)
+                out[f"{'kernel' if kernel else 'blas'}_k{k}"] = sorted(times)[reps // 2]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--run-dir", default="runs/default", help="where notebook 02 left trained drafters")
+    ap.add_argument("--drafters", nargs="+", default=["ngram", "self"], help="baseline drafters")
+    ap.add_argument("--n-prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--chain-depth", type=int, default=4)
+    ap.add_argument("--tree-depth", type=int, default=6)
+    ap.add_argument("--tree-top-k", type=int, default=4)
+    ap.add_argument("--tree-budget", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    tgt = load_target(args.target, device="cpu", dtype="float32")
+    drafters, note = drafters_for_run(args.run_dir, tgt, args.drafters)
+    print(note)
+    prompts = speedup.mtbench_first_turns(tgt.tokenizer, args.n_prompts)
+    machine = speedup.machine_info()
+    print("machine:", machine)
+
+    bare = bare_loop_tokens_per_s(tgt.model, prompts[0], 48)
+    ar = autoregressive_generate(
+        tgt, prompts[0], DecodeConfig(mode="ar", max_new_tokens=48, stop_token_ids=())
+    )
+    print(
+        f"bare loop {bare:.1f} tokens/s; our plain decoding {ar.tokens_per_s:.1f} tokens/s end to end "
+        f"({(len(ar.token_ids) - 1) / ar.verify_s:.1f} after prefill)"
+    )
+    costs = block_costs(tgt.model, prompts[0])
+    one = costs["blas_k1"]
+    print(
+        "cost of a k-token forward / 1-token:",
+        "  ".join(
+            f"k={k.split('_k')[1]}: {v / one:.2f}" + ("*" if k.startswith("kernel") else "")
+            for k, v in costs.items()
+        ),
+        "(* = small-batch kernel)",
+    )
+
+    base = DecodeConfig(
+        max_new_tokens=args.max_new_tokens,
+        chain_depth=args.chain_depth,
+        tree_depth=args.tree_depth,
+        tree_top_k=args.tree_top_k,
+        tree_budget=args.tree_budget,
+    )
+    plan = speedup.run_benchmark(tgt, drafters, prompts, speedup.METHODS, (0.0,), base)
+    table = speedup.speedup_table(plan, speedup.machine_name(machine))
+    print(
+        table[
+            [
+                "method",
+                "drafter",
+                "tokens_per_s",
+                "speedup_vs_ar",
+                "mat",
+                "exact_match_vs_ar",
+                "draft_s",
+                "verify_s",
+            ]
+        ].to_string(index=False, float_format=lambda x: f"{x:.3f}")
+    )
+    best = {
+        m: table[table["method"] == m].sort_values("speedup_vs_ar").tail(1).to_dict("records")
+        for m in ("chain", "tree")
+    }
+    for m, rows in best.items():
+        if rows:
+            print(
+                f"best {m}: {rows[0]['drafter']} at {rows[0]['speedup_vs_ar']:.2f}x (MAT {rows[0]['mat']:.2f})"
+            )
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"speedup_{speedup.machine_name(machine)}.json"
+    path.write_text(
+        json.dumps(
+            dict(
+                machine=machine,
+                target=args.target,
+                note=note,
+                args=vars(args),
+                bare_loop_tokens_per_s=bare,
+                ar_tokens_per_s=ar.tokens_per_s,
+                ar_decode_tokens_per_s=(len(ar.token_ids) - 1) / ar.verify_s,
+                block_cost_seconds=costs,
+                block_cost_relative={k: v / one for k, v in costs.items()},
+                table=table.to_dict("records"),
+                best=best,
+                config=replace(base).__dict__,
+            ),
+            indent=1,
+            default=str,
+        )
+    )
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Figures of the decoding notebooks: acceptance by draft step (03), MAT by drafter (03), speedup vs MAT (06).
+
+Each function takes the table its notebook writes and returns a matplotlib figure; save it with
+:func:`kvshot_lib.plots.save_figure` (PNG + PDF).
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+MODE_STYLE = {"chain": "-", "tree": "--"}
+
+
+def _colors(names) -> dict:
+    cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    return {name: cmap(i % cmap.N) for i, name in enumerate(names)}
+
+
+def plot_acceptance_by_step(table: pd.DataFrame, title: str = "Acceptance by draft step"):
+    """Left: alpha_k, acceptance at step k given steps 0..k-1 accepted. Right: P(steps 0..k all accepted).
+    One row of panels per temperature; color = drafter, line style = chain (solid) / tree (dashed)."""
+    temps = sorted(table["temperature"].unique())
+    colors = _colors(list(dict.fromkeys(table["drafter"])))
+    fig, axes = plt.subplots(len(temps), 2, figsize=(11, 3.6 * len(temps)), squeeze=False, sharex=True)
+    for row, temp in zip(axes, temps):
+        sub = table[table["temperature"] == temp]
+        for (drafter, mode), d in sub.groupby(["drafter", "mode"], sort=False):
+            d = d.sort_values("step")
+            kw = dict(color=colors[drafter], linestyle=MODE_STYLE.get(mode, ":"), marker="o", markersize=3)
+            row[0].plot(d["step"], d["alpha_conditional"], label=f"{drafter} ({mode})", **kw)
+            row[1].plot(d["step"], d["p_reach"], **kw)
+        row[0].set_ylabel(f"T = {temp:g}\nconditional acceptance $\\alpha_k$")
+        row[1].set_ylabel("P(first k+1 drafts accepted)")
+        for ax in row:
+            ax.set_ylim(-0.02, 1.02)
+            ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("draft step k")
+    axes[0][0].set_title("conditional: $\\alpha_k$")
+    axes[0][1].set_title("unconditional: reach probability")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_mat_by_drafter(summary: pd.DataFrame, title: str = "Mean accepted tokens per cycle (MAT, τ)"):
+    """Grouped bars: MAT per drafter, one bar per mode x temperature."""
+    drafters = list(dict.fromkeys(summary["drafter"]))
+    groups = list(summary.groupby(["mode", "temperature"], sort=True).groups)
+    width = 0.8 / max(len(groups), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(drafters) * max(1, len(groups) / 2)), 4))
+    x = np.arange(len(drafters))
+    for i, (mode, temp) in enumerate(groups):
+        d = summary[(summary["mode"] == mode) & (summary["temperature"] == temp)].set_index("drafter")
+        values = [d["mat"].get(name, np.nan) for name in drafters]
+        ax.bar(
+            x + (i - (len(groups) - 1) / 2) * width,
+            values,
+            width,
+            label=f"{mode}, T={temp:g}",
+            hatch="//" if mode == "tree" else None,
+            alpha=0.9 if temp == 0 else 0.55,
+        )
+    ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+    ax.set_xticks(x, drafters, rotation=30, ha="right")
+    ax.set_ylabel("MAT (accepted drafts + bonus)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_speedup_vs_mat(table: pd.DataFrame, title: str | None = None):
+    """Speedup over our plain decoding against MAT, for chain and tree runs; HF generate baselines (which
+    have no MAT here) as horizontal lines."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    spec = table[table["method"].isin(["chain", "tree"])]
+    colors = _colors(list(dict.fromkeys(spec["drafter"])))
+    markers = {"chain": "o", "tree": "^"}
+    for _, r in spec.iterrows():
+        ax.scatter(
+            r["mat"],
+            r["speedup_vs_ar"],
+            color=colors[r["drafter"]],
+            marker=markers[r["method"]],
+            s=50,
+            alpha=1.0 if r["temperature"] == 0 else 0.5,
+        )
+        ax.annotate(
+            f"{r['drafter']} ({r['method']}, T={r['temperature']:g})",
+            (r["mat"], r["speedup_vs_ar"]),
+            fontsize=7,
+            xytext=(4, 3),
+            textcoords="offset points",
+        )
+    for i, (_, r) in enumerate(table[table["method"].str.startswith("hf_")].iterrows()):
+        ax.axhline(
+            r["speedup_vs_ar"],
+            color=f"C{i + 3}",
+            lw=1,
+            ls="--",
+            label=f"{r['method']} (T={r['temperature']:g}): {r['speedup_vs_ar']:.2f}x",
+        )
+    ax.axhline(1.0, color="black", lw=0.8, label="plain decoding (ours)")
+    ax.set_xlabel("MAT (τ)")
+    ax.set_ylabel("speedup vs plain decoding (same run)")
+    machine = table["machine"].iloc[0] if "machine" in table and len(table) else ""
+    ax.set_title(title or f"End-to-end speedup on {machine}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, frameon=False, loc="best")
+    fig.tight_layout()
+    return fig
