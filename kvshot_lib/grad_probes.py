@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from pathlib import Path
 
+import pandas as pd
 import torch
 from torch import Tensor, nn
 
@@ -249,3 +251,62 @@ class GradProbe:
             n_rows = max(self.rows[(self.softmax_of[(label, layer)], layer)], 1)
             out.append(dict(layer=layer, segment=label, share=mass / n_rows, sink_share=sink / n_rows))
         return out
+
+
+PROBE_TABLES = ("grad_probes", "kv_positions", "attention_mass", "kv_position_samples")
+
+
+def load_probe_tables(results_dir) -> dict:
+    """The gradient-probe tables notebook 02 wrote to ``results_dir``, as DataFrames."""
+    results_dir = Path(results_dir)
+    missing = [n for n in PROBE_TABLES if not (results_dir / f"{n}.csv").is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{results_dir} lacks {', '.join(m + '.csv' for m in missing)}: these gradient tables are written by "
+            "notebook 02 (02_train_drafters.ipynb). Run it first, e.g. `kvshot run --profile <profile> --only 02`."
+        )
+    return {n: pd.read_csv(results_dir / f"{n}.csv") for n in PROBE_TABLES}
+
+
+def kv_gradient_summary(tables: dict):
+    """Per drafter: how small and how sparse the K/V-projection gradient is next to the other groups.
+
+    Medians over the probe steps of: the kv_proj gradient RMS over the median RMS of the drafter's other
+    groups (``kv_rms_vs_others``), its ``frac_small`` and ``hoyer`` next to the other groups' medians, the
+    share of positions that sent it any gradient, the mean key-gradient norm at branch positions (made at
+    steps >= 1, or the KV-only root) over context positions, the Spearman correlation between attention
+    received and key gradient, and the attention share on the drafter's own branch K/V.
+    """
+    probes, kvp, mass = tables["grad_probes"], tables["kv_positions"], tables["attention_mass"]
+    rows = []
+    for (name, paradigm, regime), g in probes.groupby(["drafter", "paradigm", "regime"], sort=False):
+        per_step = g.pivot_table(index="step", columns="group", values=["rms", "frac_small", "hoyer"])
+        others = [c for c in per_step["rms"].columns if c not in ("kv_proj", "norm")]
+        kv = g[g["group"] == "kv_proj"]
+        k = kvp[kvp["drafter"] == name]
+        branch = k[k["own_step"] > 0] if paradigm != "kv" else k
+        context = k[k["own_step"] == 0] if paradigm != "kv" else None
+        m = mass[(mass["drafter"] == name) & (mass["segment"] == "own_branch")]
+        rows.append(
+            dict(
+                drafter=name,
+                paradigm=paradigm,
+                regime=regime,
+                kv_rms_vs_others=float(
+                    (per_step["rms"]["kv_proj"] / per_step["rms"][others].median(axis=1)).median()
+                ),
+                kv_frac_small=float(per_step["frac_small"]["kv_proj"].median()),
+                others_frac_small=float(per_step["frac_small"][others].median(axis=1).median()),
+                kv_hoyer=float(per_step["hoyer"]["kv_proj"].median()),
+                others_hoyer=float(per_step["hoyer"][others].median(axis=1).median()),
+                kv_position_share=float((kv["n_positions"] / kv["n_positions_total"]).median()),
+                branch_vs_context_key_grad=(
+                    float(branch["grad_k_mean"].median() / context["grad_k_mean"].median())
+                    if context is not None and len(context)
+                    else float("nan")
+                ),
+                spearman_received_vs_grad=float(k["spearman_k"].median()),
+                attention_on_own_branch=float(m["share"].median()) if len(m) else float("nan"),
+            )
+        )
+    return pd.DataFrame(rows)

@@ -126,7 +126,11 @@ def plot_grad_group_stats(probes: pd.DataFrame, stats=("rms", "frac_small", "hoy
                 axes[i][j].set_yscale("log")
             axes[i][0].set_ylabel(labels.get(stat, stat))
             axes[i][j].grid(alpha=0.3)
-    handles, lbls = axes[0][0].get_legend_handles_labels()
+    legend = {}
+    for ax in axes[0]:
+        for h, lbl in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(lbl, h)
+    handles, lbls = list(legend.values()), list(legend)
     fig.legend(handles, lbls, loc="upper center", ncol=len(lbls), frameon=False, bbox_to_anchor=(0.5, 1.02))
     fig.tight_layout()
     return fig
@@ -181,8 +185,8 @@ def plot_kv_position_gradients(samples: pd.DataFrame, kv_positions: pd.DataFrame
         ax.set_yscale("log")
         ax.set_xlabel("attention received (sum over heads, queries)")
         ax.grid(alpha=0.3)
+        ax.legend(frameon=False, fontsize=7, markerscale=3)
     axes[0][0].set_ylabel("‖∂L/∂k‖ at that position")
-    axes[0][-1].legend(frameon=False, fontsize=7, markerscale=3)
     fig.tight_layout()
     return fig
 

@@ -103,11 +103,8 @@ class StoreBatches:
 
 
 @torch.no_grad()
-def batch_from_target(target, ids: Tensor, loss_mask: Tensor, cfg) -> TrainBatch:
-    """A one-sequence batch computed directly from ``target`` in its own dtype (tests, benchmarks).
-
-    ``ids``, ``loss_mask``: ``[T]``. Same content as the feature store would hold, without its storage dtype.
-    """
+def target_sequence(target, ids: Tensor, loss_mask: Tensor, cfg) -> dict[str, Tensor]:
+    """One sequence's feature-store fields computed directly from ``target``, in float32 (tests, benchmarks)."""
     layers = sorted(set(cfg.hidden_layers) | set(cfg.kv_layers))
     dev = next(target.model.parameters()).device
     with capture(target.model, layers, hidden=bool(cfg.hidden_layers), kv=bool(cfg.kv_layers)) as rec:
@@ -118,4 +115,9 @@ def batch_from_target(target, ids: Tensor, loss_mask: Tensor, cfg) -> TrainBatch
     for layer in cfg.kv_layers:
         seq[f"keys.{layer}"] = rec.keys_at(layer)[0].transpose(0, 1).float().cpu()  # [T, kvH, D]
         seq[f"values.{layer}"] = rec.values_at(layer)[0].transpose(0, 1).float().cpu()
-    return collate([seq], cfg)
+    return seq
+
+
+def batch_from_target(target, ids: Tensor, loss_mask: Tensor, cfg) -> TrainBatch:
+    """A one-sequence batch (``ids``, ``loss_mask``: ``[T]``) with what the feature store would hold, in float32."""
+    return collate([target_sequence(target, ids, loss_mask, cfg)], cfg)
