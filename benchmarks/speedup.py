@@ -9,7 +9,7 @@ Reports, on this machine, in one run:
   and every trained drafter under ``--run-dir``/drafters/, with the best chain and tree speedups.
 
 Prints and saves ``benchmarks/results/speedup_<machine>.json``. Usage:
-    python benchmarks/speedup.py [--n-prompts 6] [--max-new-tokens 96] [--threads 1] [--drafters ngram self]
+    python benchmarks/speedup.py [--n-questions 6] [--turns 2] [--max-new-tokens 96] [--threads 1]
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ def main() -> None:
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--run-dir", default="runs/default", help="where notebook 02 left trained drafters")
     ap.add_argument("--drafters", nargs="+", default=["ngram", "self"], help="baseline drafters")
-    ap.add_argument("--n-prompts", type=int, default=6)
+    ap.add_argument("--n-questions", type=int, default=6, help="MT-bench questions")
+    ap.add_argument("--turns", type=int, default=2, choices=(1, 2))
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--chain-depth", type=int, default=4)
+    ap.add_argument("--chain-depth", type=int, default=3)
     ap.add_argument("--tree-depth", type=int, default=6)
     ap.add_argument("--tree-top-k", type=int, default=4)
     ap.add_argument("--tree-budget", type=int, default=16)
@@ -83,7 +84,7 @@ def main() -> None:
     tgt = load_target(args.target, device="cpu", dtype="float32")
     drafters, note = drafters_for_run(args.run_dir, tgt, args.drafters)
     print(note)
-    prompts = speedup.mtbench_first_turns(tgt.tokenizer, args.n_prompts)
+    prompts = speedup.mtbench_first_turns(tgt.tokenizer, 1)
     machine = speedup.machine_info()
     print("machine:", machine)
 
@@ -113,7 +114,7 @@ def main() -> None:
         tree_top_k=args.tree_top_k,
         tree_budget=args.tree_budget,
     )
-    plan = speedup.run_benchmark(tgt, drafters, prompts, speedup.METHODS, (0.0,), base)
+    plan = speedup.run_mtbench_benchmark(tgt, drafters, args.n_questions, args.turns, base=base)
     table = speedup.speedup_table(plan, speedup.machine_name(machine))
     print(
         table[

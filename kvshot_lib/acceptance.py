@@ -9,7 +9,9 @@ Each question is asked in two turns; the second is conditioned on the model's ow
   matches the greedy tokens. :func:`replay_greedy` replays those cycles exactly: same cycle boundaries,
   same drafter calls, same target cache and hidden states handed to the drafter, but the target runs
   once per prompt (one forward over prompt + greedy output) instead of once per cycle, and is shared by
-  every drafter. ``tests/test_acceptance.py`` checks that it reproduces the engine's counts.
+  every drafter; and a chain stops drafting at its first wrong token, since later ones are never
+  tested (so ``drafted_per_cycle`` counts only those). ``tests/test_decoding_harness.py`` checks that
+  it reproduces the engine's counts.
 """
 
 from __future__ import annotations
@@ -135,8 +137,11 @@ def replay_greedy(target, drafter, ref: Reference, cfg: DecodeConfig, states=Non
                 view = TargetView(
                     cache=cache_prefix(cache, P), hidden={k: v[:, given:P] for k, v in hidden.items()}
                 )
-                if cfg.mode == "chain":
-                    tree = draft_chain(session, full[:, : P + 1], view, min(cfg.chain_depth, cap))
+                if cfg.mode == "chain":  # drafts after the first wrong one are never tested: skip them
+                    wrong = lambda d, tok, P=P: tok != seq[P + 1 + d]  # noqa: E731
+                    tree = draft_chain(
+                        session, full[:, : P + 1], view, min(cfg.chain_depth, cap), stop_after=wrong
+                    )
                 else:
                     tree = draft_dynamic_tree(
                         session,
@@ -157,6 +162,7 @@ def replay_greedy(target, drafter, ref: Reference, cfg: DecodeConfig, states=Non
         path, bonus = walk_tree(tree, choice.__getitem__, result)
         if cap > 0:
             result.accepted_per_cycle.append(len(path))
+            result.drafted_per_cycle.append(len(tree))
         done = _commit(result, [tree.tokens[i] for i in path] + [bonus], stops, cfg)
     return result
 

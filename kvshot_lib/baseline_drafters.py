@@ -10,6 +10,10 @@ and an n-gram (prompt-lookup) drafter. Each is a ``SessionFactory`` of :mod:`kvs
 * ``ngram``: prompt lookup. The draft distribution after a context is the empirical distribution of
   the tokens that followed earlier occurrences of the context's longest suffix (``max_n`` down to
   ``min_n`` tokens) in the prompt and the output so far; all ``-inf`` (no draft) when nothing matches.
+  ``min_n = 2`` by default: on MT-bench with SmolLM2, single-token matches are right too rarely to pay
+  for the wider verification (MAT 1.19 -> 1.13 per cycle on first turns, but fewer wasted drafts; the
+  estimated speedup goes from 0.93-1.03x to 1.04-1.08x on first turns and from 1.3-1.6x to 1.4-1.85x on
+  second turns).
 
 :func:`resolve_drafter` turns a name or a checkpoint path into a drafter, with clear errors.
 """
@@ -229,7 +233,7 @@ class NgramDraftSession:
 class NgramDrafter:
     vocab_size: int
     max_n: int = 3
-    min_n: int = 1
+    min_n: int = 2
     name: str = "ngram"
     paradigm: str = "baseline"
     regime: str = "-"

@@ -78,6 +78,7 @@ class GenerationResult:
     prompt_len: int
     stop_reason: str  # "stop_token" | "max_new_tokens" | "context"
     accepted_per_cycle: list[int] = field(default_factory=list)  # drafts accepted per cycle (bonus excluded)
+    drafted_per_cycle: list[int] = field(default_factory=list)  # draft nodes verified per cycle
     step_attempts: list[int] = field(default_factory=list)  # [k] cycles that reached draft step k
     step_accepts: list[int] = field(default_factory=list)  # [k] ... and accepted it
     prefill_s: float = 0.0
@@ -349,6 +350,7 @@ def _speculative(target, drafter, prompt_ids, cfg: DecodeConfig, on_cycle) -> Ge
             )
         if cap > 0:
             result.accepted_per_cycle.append(len(path))
+            result.drafted_per_cycle.append(len(tree))
         new = [tree.tokens[i] for i in path] + [bonus]
         done = _commit(result, new, stops, cfg)
         if not done:

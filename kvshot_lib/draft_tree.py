@@ -17,6 +17,7 @@ when it finds no match): that branch simply ends.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,15 +31,14 @@ class DraftTree:
     """The nodes drafted in one cycle; parents always come before their children.
 
     tokens[i]: target id; parents[i]: index of the parent node or -1 for the root; depths[i]: 0 for the
-    root's children. For a chain sampled at temperature > 0, ``q[i]`` is the draft distribution (draft
-    vocabulary) that token i was sampled from and ``draft_ids[i]`` its draft-vocabulary index.
+    root's children. For a chain sampled at temperature > 0, ``q[i]`` is the draft distribution (over the
+    draft vocabulary) that token i was sampled from.
     """
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
     q: list[Tensor] = field(default_factory=list)
-    draft_ids: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -67,9 +67,11 @@ def draft_chain(
     top_k: int = 0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    stop_after: Callable[[int, int], bool] | None = None,
 ) -> DraftTree:
     """Draft up to ``depth`` tokens one after another: argmax at temperature 0, else a sample from
-    ``q = logits_to_probs(draft logits)`` (kept for the rejection rule). ``depth - 1`` expand calls."""
+    ``q = logits_to_probs(draft logits)`` (kept for the rejection rule). ``depth - 1`` expand calls, fewer
+    if ``stop_after(step, token)`` returns True (the greedy replay stops at the first wrong draft)."""
     tree = DraftTree()
     logits = session.start_cycle(committed, view)  # [V_draft]
     d2t = session.d2t
@@ -84,10 +86,11 @@ def draft_chain(
             q = logits_to_probs(logits, temperature, top_k, top_p)  # [V_draft]
             j = int(sample(q, generator))
             tree.q.append(q)
-            tree.draft_ids.append(j)
         tree.tokens.append(int(_to_target(torch.tensor(j), d2t)))
         tree.parents.append(d - 1)
         tree.depths.append(d)
+        if stop_after is not None and stop_after(d, tree.tokens[-1]):
+            break
     return tree
 
 

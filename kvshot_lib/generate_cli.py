@@ -2,7 +2,7 @@
 
     kvshot generate --drafter ngram --mode chain --mt-bench 1 --max-new-tokens 64 --json
     kvshot generate --drafter runs/default/drafters/kv-ttt --mode tree --prompt "Why is the sky blue?"
-    kvshot bench --drafters ngram self --n-prompts 4 --max-new-tokens 64 --out benchmarks/results/cli.csv
+    kvshot bench --drafters ngram self --n-questions 4 --max-new-tokens 64 --out benchmarks/results/cli.csv
 
 Arguments are checked before the target is loaded: an unknown drafter, a drafter path that is not a
 checkpoint folder, a drafter with ``--mode ar`` (or none with chain/tree), or a negative temperature
@@ -65,7 +65,8 @@ def add_cli(sub) -> None:
     b.add_argument("--drafters", nargs="+", default=["ngram"], help="names or checkpoint folders")
     b.add_argument("--methods", nargs="+", default=["ar", "chain", "tree", "hf_generate", "hf_prompt_lookup"])
     b.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
-    b.add_argument("--n-prompts", type=int, default=4, help="first-turn MT-bench prompts")
+    b.add_argument("--n-questions", type=int, default=4, help="MT-bench questions")
+    b.add_argument("--turns", type=int, default=2, choices=(1, 2), help="1: first turns only; 2: both")
     b.add_argument("--out", default=None, help="write the table here (.csv or .json)")
     b.set_defaults(func=_cli_bench)
 
@@ -183,8 +184,8 @@ def _cli_bench(args) -> int:
 
     for spec in args.drafters:
         check_drafter_spec(spec)
-    if args.n_prompts < 1:
-        raise SystemExit("kvshot: --n-prompts must be at least 1.")
+    if not 1 <= args.n_questions <= 80:
+        raise SystemExit("kvshot: --n-questions must be in 1..80.")
     base = _config(args, "chain")
     for t in args.temperatures:
         _config(argparse.Namespace(**{**vars(args), "temperature": t}), "chain")
@@ -193,8 +194,15 @@ def _cli_bench(args) -> int:
         raise SystemExit(f"kvshot: unknown methods {bad}; choose from {speedup.METHODS}.")
     target = _load(args)
     drafters = {spec: resolve_drafter(spec, target, args.seed) for spec in args.drafters}
-    prompts = speedup.mtbench_first_turns(target.tokenizer, args.n_prompts)
-    plan = speedup.run_benchmark(target, drafters, prompts, args.methods, args.temperatures, base)
+    plan = speedup.run_mtbench_benchmark(
+        target,
+        drafters,
+        args.n_questions,
+        args.turns,
+        methods=args.methods,
+        temperatures=args.temperatures,
+        base=base,
+    )
     table = speedup.speedup_table(plan)
     import pandas as pd
 

@@ -1,14 +1,16 @@
 """A faster ``nn.Linear`` for the 2-8 rows of a verification block, where the CPU's BLAS is slow.
 
 Verifying k drafted tokens runs every linear layer on a ``[k+1, in]`` input. On the AMD EPYC of the
-development machine, MKL's sgemm for ``x @ W.T`` with 2-5 rows costs 1.5-2.5x the single-row gemv,
-while the same product computed as ``(W @ x.T).T`` costs 0.5-0.8x of that for most of SmolLM2's weight
-shapes (and more for others: down- and k/v-projections). Which kernel wins depends on the machine,
-the weight shape and the row count, so :func:`small_batch_linear` measures both once per
-(shape, dtype, rows) and patches each ``nn.Linear`` of a model to use the faster one. The two
-differ only in floating-point summation order. CPU only; a no-op elsewhere. Patches are removed in
-``finally``. Measurements (about 5 s for SmolLM2's five shapes) are cached on disk per CPU model,
-torch version and thread count, under ``<cache>/linear_kernels.json``.
+development machine (one thread), MKL's sgemm for ``x @ W.T`` with 2-5 rows costs 1.4-3.4x the
+single-row gemv; the same product computed as ``(W @ x.T).T`` costs 1.1-1.6x for most of SmolLM2's
+weight shapes, and some row counts are cheaper than smaller ones (4 rows beat 3). Which way wins
+depends on the machine, the weight shape and the row count, so :func:`linear_plan` times both
+kernels once per (shape, dtype) for 1-8 rows and picks, for each row count, the fastest
+(kernel, padded row count) pair: e.g. 3 rows may run as 4 with a zero row. :func:`small_batch_linear`
+patches each ``nn.Linear`` of a model to follow that plan. Results differ from ``F.linear`` only in
+floating-point summation order. CPU only; a no-op elsewhere. Patches are removed in ``finally``.
+Plans (about 5 s to measure for SmolLM2's five shapes) are cached on disk per CPU model, torch
+version and thread count, under ``<cache>/linear_kernels.json``.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-ROWS = range(2, 9)  # block sizes considered
-MARGIN = 0.9  # the transposed product must be at least 10% faster to be chosen
-_FAST_ROWS: dict[tuple[int, int, torch.dtype], frozenset[int]] = {}
+MAX_ROWS = 8  # block sizes considered
+MARGIN = 0.9  # another choice must be at least 10% faster than F.linear to be taken
+Plan = dict[int, tuple[int, bool]]  # rows -> (padded rows, use the transposed product)
+_PLANS: dict[tuple[int, int, torch.dtype], Plan] = {}
 
 
 def _median_time(fn, reps: int) -> float:
@@ -38,29 +41,33 @@ def _median_time(fn, reps: int) -> float:
 
 
 @torch.inference_mode()
-def fast_rows(weight: torch.Tensor, reps: int = 5) -> frozenset[int]:
-    """The row counts for which ``(W @ x.T).T`` beats ``F.linear`` on this weight's shape (cached).
+def linear_plan(weight: torch.Tensor, reps: int = 5) -> Plan:
+    """For each row count 2..8 where it pays: (rows to pad to, transposed product?) for this weight's shape.
 
     Timed on enough distinct copies of the weight (64 MB) that, as in a real forward, they stream from
     memory rather than sit in cache."""
     key = (weight.shape[0], weight.shape[1], weight.dtype)
     disk_key = f"{_cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{key}"
-    if key not in _FAST_ROWS and disk_key in _disk():
-        _FAST_ROWS[key] = frozenset(_disk()[disk_key])
-    if key not in _FAST_ROWS:
+    cached = _disk().get(disk_key)
+    if key not in _PLANS and isinstance(cached, dict):
+        _PLANS[key] = {int(m): (int(p), bool(t)) for m, (p, t) in cached.items()}
+    if key not in _PLANS:
         g = torch.Generator().manual_seed(0)  # never touch the global RNG
         copies = max(1, -(-16_000_000 // weight.numel()))
         ws = [torch.randn(weight.shape, generator=g, dtype=weight.dtype) for _ in range(copies)]  # [out, in]
-        chosen = set()
-        for m in ROWS:
+        times = {}  # (rows, transposed) -> seconds
+        for m in range(2, MAX_ROWS + 1):
             x = torch.randn(m, weight.shape[1], generator=g, dtype=weight.dtype)  # [m, in]
-            blas = _median_time(lambda x=x: [F.linear(x, w) for w in ws], reps)
-            trans = _median_time(lambda x=x: [(w @ x.T).T.contiguous() for w in ws], reps)
-            if trans < MARGIN * blas:
-                chosen.add(m)
-        _FAST_ROWS[key] = frozenset(chosen)
-        _save_disk(disk_key, sorted(chosen))
-    return _FAST_ROWS[key]
+            times[m, False] = _median_time(lambda x=x: [F.linear(x, w) for w in ws], reps)
+            times[m, True] = _median_time(lambda x=x: [(w @ x.T).T.contiguous() for w in ws], reps)
+        plan = {}
+        for m in range(2, MAX_ROWS + 1):
+            best = min(((p, t) for p in range(m, MAX_ROWS + 1) for t in (False, True)), key=times.get)
+            if best != (m, False) and times[best] < MARGIN * times[m, False]:
+                plan[m] = best
+        _PLANS[key] = plan
+        _save_disk(disk_key, plan)
+    return _PLANS[key]
 
 
 def _cpu_name() -> str:
@@ -84,9 +91,9 @@ def _disk() -> dict:
         return {}
 
 
-def _save_disk(key: str, rows: list[int]) -> None:
+def _save_disk(key: str, plan: Plan) -> None:
     try:
-        table = {**_disk(), key: rows}
+        table = {**_disk(), key: {str(m): list(v) for m, v in plan.items()}}
         tmp = _disk_path().with_suffix(".tmp")
         tmp.write_text(json.dumps(table, indent=1))
         tmp.replace(_disk_path())
@@ -96,11 +103,15 @@ def _save_disk(key: str, rows: list[int]) -> None:
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // self.in_features
-    if rows in self._kvshot_fast_rows:
-        y = (self.weight @ x.reshape(rows, self.in_features).T).T.contiguous()  # [rows, out]
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-    return F.linear(x, self.weight, self.bias)
+    if rows not in self._kvshot_plan:
+        return F.linear(x, self.weight, self.bias)
+    padded, transposed = self._kvshot_plan[rows]
+    x2 = x.reshape(rows, self.in_features)  # [rows, in]
+    if padded > rows:
+        x2 = torch.cat([x2, x2.new_zeros(padded - rows, self.in_features)])  # [padded, in]
+    y = (self.weight @ x2.T).T if transposed else F.linear(x2, self.weight)  # [padded, out]
+    y = y[:rows].contiguous().reshape(*x.shape[:-1], self.out_features)
+    return y if self.bias is None else y + self.bias
 
 
 @contextmanager
@@ -113,13 +124,13 @@ def small_batch_linear(*modules: torch.nn.Module, enabled: bool = True) -> Itera
                 for lin in module.modules() if isinstance(module, torch.nn.Module) else ():
                     plain = type(lin) is torch.nn.Linear  # not a quantized subclass
                     if plain and lin.weight.device.type == "cpu" and "forward" not in lin.__dict__:
-                        rows = fast_rows(lin.weight)
-                        if rows:
-                            lin._kvshot_fast_rows = rows
+                        plan = linear_plan(lin.weight)
+                        if plan:
+                            lin._kvshot_plan = plan
                             lin.forward = types.MethodType(_forward, lin)
                             patched.append(lin)
         yield
     finally:
         for lin in patched:
             del lin.forward
-            del lin._kvshot_fast_rows
+            del lin._kvshot_plan

@@ -69,6 +69,31 @@ def mtbench_first_turns(tokenizer, n_questions: int | None) -> list[list[int]]:
     return [chat_prompt_ids(tokenizer, mtbench_messages(q)) for q in load_mtbench(n_questions)]
 
 
+def run_mtbench_benchmark(
+    target, drafters: dict, n_questions: int | None, turns: int = 2, **kwargs
+) -> list[Method]:
+    """:func:`run_benchmark` on MT-bench: the first turns, then (``turns=2``) the second turns, whose prompts
+    hold the first answer of our plain decoding at the first temperature benchmarked (greedy when 0 is
+    listed first). Every method sees the same prompts."""
+    if turns not in (1, 2):
+        raise ValueError(f"turns must be 1 or 2, got {turns!r}.")
+    questions = load_mtbench(n_questions)
+    tok = target.tokenizer
+    plan = run_benchmark(
+        target, drafters, [chat_prompt_ids(tok, mtbench_messages(q)) for q in questions], **kwargs
+    )
+    if turns == 2:
+        stops = set(target.info.eos_token_ids)
+        ar = next(m for m in plan if m.method == "ar")
+        answers = [
+            tok.decode([t for t in r.token_ids if t not in stops], skip_special_tokens=True)
+            for r in ar.results
+        ]
+        second = [chat_prompt_ids(tok, mtbench_messages(q, 1, a)) for q, a in zip(questions, answers)]
+        plan = run_benchmark(target, drafters, second, plan=plan, **kwargs)
+    return plan
+
+
 @dataclass
 class Method:
     """One row of the benchmark: a method, its drafter (``-`` for none) and its decoding config."""
@@ -138,21 +163,19 @@ def run_benchmark(
     base: DecodeConfig | None = None,
     prompt_lookup_num_tokens: int = 10,
     progress: bool = True,
+    plan: list[Method] | None = None,
 ) -> list[Method]:
-    """Run every planned method on every prompt (prompts outer, methods inner); returns the raw results."""
-    base = base or DecodeConfig()
-    plan = plan_methods(drafters, methods, temperatures, base)
+    """Run every planned method on every prompt (prompts outer, methods inner); returns the raw results.
+    Pass the ``plan`` of an earlier call to append to it (no new warm-up)."""
     if not prompts:
         raise ValueError("no prompts to benchmark.")
-    for m in plan:  # untimed warm-up of every code path
-        _run_one(
-            target,
-            drafters,
-            replace(m, cfg=replace(m.cfg, max_new_tokens=4)),
-            prompts[0],
-            prompt_lookup_num_tokens,
-        )
-    for i, prompt in enumerate(tqdm(prompts, desc="speed benchmark", disable=not progress)):
+    if plan is None:
+        plan = plan_methods(drafters, methods, temperatures, base or DecodeConfig())
+        for m in plan:  # untimed warm-up of every code path
+            warm = replace(m, cfg=replace(m.cfg, max_new_tokens=4))
+            _run_one(target, drafters, warm, prompts[0], prompt_lookup_num_tokens)
+    offset = len(plan[0].results)
+    for i, prompt in enumerate(tqdm(prompts, desc="speed benchmark", disable=not progress), start=offset):
         for m in plan:
             seeded = replace(m, cfg=replace(m.cfg, seed=m.cfg.seed * 1_000_003 + i))
             m.results.append(_run_one(target, drafters, seeded, prompt, prompt_lookup_num_tokens))

@@ -22,7 +22,7 @@ from kvshot_lib.targets import load_target
 
 N_PROMPTS = 50
 MAX_NEW = 12
-GREEDY_NEW = 10  # tokens per prompt in the 50-prompt equality test
+GREEDY_NEW = 8  # tokens per prompt in the 50-prompt equality test
 
 
 def spread_target(name: str, seed: int = 1, std: float = 0.2):

@@ -101,10 +101,17 @@ def test_mtbench_runs_and_tables(llama):
 
 def test_speed_benchmark_table_and_hf_generate_agree_with_our_greedy_loop(llama):
     drafters = {"ngram": resolve_drafter("ngram", llama), "self": SelfDrafter(llama)}
-    prompts = [p + p for p in random_prompts(2, seed=6)]
-    plan = speedup.run_benchmark(
-        llama, drafters, prompts, temperatures=(0.0, 1.0), base=DecodeConfig(max_new_tokens=8), progress=False
+    plan = speedup.run_mtbench_benchmark(
+        llama,
+        drafters,
+        1,
+        turns=2,
+        temperatures=(0.0, 1.0),
+        base=DecodeConfig(max_new_tokens=8),
+        progress=False,
     )
+    assert all(len(m.results) == 2 for m in plan), "one question, two turns, every method"
+    assert plan[0].results[1].prompt_len > plan[0].results[0].prompt_len + 8, "turn 2 holds the first answer"
     table = speedup.speedup_table(plan, machine="test")
     assert list(table.columns[:7]) == [
         "method",

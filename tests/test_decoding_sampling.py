@@ -18,7 +18,7 @@ from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, speculati
 from kvshot_lib.drafters import build_drafter, drafter_config_for
 from kvshot_lib.sampling import logits_to_probs
 
-N_RUNS = 400
+N_RUNS = 300
 STRICT = 1e-4
 
 
@@ -73,10 +73,13 @@ def test_sampled_output_follows_the_target_distribution(llama, mode):
         out = speculative_generate(llama, drafter, prompt, DecodeConfig(seed=seed, **cfg))
         counts[tuple(out.token_ids)] += 1  # a KeyError would mean an impossible output
         accepted += sum(out.step_accepts)
-    keys = sorted(joint)
-    observed = [counts[k] for k in keys]
     total = sum(joint.values())
-    expected = [joint[k] / total * N_RUNS for k in keys]
+    big = [k for k in sorted(joint) if joint[k] / total * N_RUNS >= 5]  # pool the rare outcomes
+    observed = [counts[k] for k in big]
+    expected = [joint[k] / total * N_RUNS for k in big]
+    if len(big) < len(joint):
+        observed.append(N_RUNS - sum(observed))
+        expected.append(N_RUNS - sum(expected))
     assert chisquare(observed, expected).pvalue > STRICT
     assert 0 < accepted < N_RUNS * 3, "the test needs both accepted and rejected drafts"
 
