@@ -40,6 +40,7 @@ def plot_training_curves(history: pd.DataFrame, smooth: int = 10):
         kw = dict(**_style(paradigm, regime), label=name, lw=1.4)
         axes[0].plot(h["step"], h["loss"].rolling(smooth, min_periods=1).mean(), **kw)
         axes[1].plot(h["step"], h["acc_0"].rolling(smooth, min_periods=1).mean(), **kw)
+    axes[0].set_yscale("log")
     axes[0].set_ylabel(f"training loss (rolling mean of {smooth})")
     axes[1].set_ylabel("step-0 top-1 agreement with the target (train)")
     for ax in axes:
@@ -59,10 +60,11 @@ def plot_per_step_accuracy(per_step: pd.DataFrame):
         kw = dict(**_style(paradigm, regime), marker="o", ms=4, label=name)
         axes[0].plot(d["draft_step"], d["accuracy"], **kw)
         axes[1].plot(d["draft_step"], d["accuracy"] / d["accuracy"].iloc[0], **kw)
-    if "ceiling" in per_step:
-        axes[0].axhline(
-            per_step["ceiling"].max(), color="k", lw=0.8, ls=":", label="draft-vocabulary ceiling"
+    if "ceiling" in per_step and per_step["ceiling"].notna().any():
+        axes[0].set_title(
+            f"ceiling (target token in the draft vocabulary): {per_step['ceiling'].max():.2f}", fontsize=9
         )
+    axes[0].set_ylim(0, None)
     axes[0].set_ylabel("held-out accuracy at draft step k\n(draft argmax = target's greedy token)")
     axes[1].set_ylabel("retention  acc_k / acc_0")
     for ax in axes:

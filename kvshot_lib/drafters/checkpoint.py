@@ -33,11 +33,12 @@ def drafter_class(paradigm: str):
 def build_drafter(cfg: DrafterConfig, target, d2t: torch.Tensor, seed: int | None = None):
     """A freshly initialized drafter of ``cfg.paradigm`` for ``target`` (seeded if ``seed`` is given)."""
     cfg.vocab_hash = vocab_hash(d2t)
+    device = target.model.model.embed_tokens.weight.device
     if seed is None:
-        return drafter_class(cfg.paradigm)(cfg, target, d2t)
+        return drafter_class(cfg.paradigm)(cfg, target, d2t).to(device)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return drafter_class(cfg.paradigm)(cfg, target, d2t)
+        torch.manual_seed(seed)  # parameters are initialized on the CPU, so the seed fixes them on any device
+        return drafter_class(cfg.paradigm)(cfg, target, d2t).to(device)
 
 
 def save_drafter(drafter, path: str | Path) -> Path:
@@ -94,7 +95,7 @@ def load_drafter(path: str | Path, target):
             f"{path}: the draft vocabulary in {WEIGHTS_FILE} (hash {vocab_hash(d2t)}) does not "
             f"match the config's vocab_hash {cfg.vocab_hash}; the two files come from different runs."
         )
-    drafter = drafter_class(cfg.paradigm)(cfg, target, d2t)
+    drafter = drafter_class(cfg.paradigm)(cfg, target, d2t).to(target.model.model.embed_tokens.weight.device)
     probe = drafter.target_probe.cpu()
     saved = state.get("target_probe")
     if saved is None or saved.shape != probe.shape or not torch.allclose(saved, probe, rtol=2e-2, atol=1e-3):
