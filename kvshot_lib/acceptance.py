@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -115,11 +116,16 @@ def replay_greedy(target, drafter, ref: Reference, cfg: DecodeConfig, states=Non
     cfg.validate()
     if cfg.temperature != 0 or cfg.mode not in ("chain", "tree"):
         raise ValueError("replay_greedy replays chain/tree decoding at temperature 0 only.")
+    T, max_ctx = len(ref.prompt_ids), target.info.max_context
+    if len(ref.greedy_ids) < min(cfg.max_new_tokens, max_ctx - T):
+        raise ValueError(
+            f"the reference holds {len(ref.greedy_ids)} greedy tokens; replaying max_new_tokens="
+            f"{cfg.max_new_tokens} needs that many (decode the reference with stop_token_ids=())."
+        )
     session = drafter.new_session()
     layers = tuple(session.hidden_layers)
     full, cache, hidden = states or target_states(target, ref, layers)
     seq = full[0].tolist()
-    T, max_ctx = len(ref.prompt_ids), target.info.max_context
     stops = set(cfg.stop_token_ids if cfg.stop_token_ids is not None else target.info.eos_token_ids)
     result = GenerationResult([], T, "max_new_tokens")
     if cfg.max_new_tokens == 0:
@@ -132,6 +138,7 @@ def replay_greedy(target, drafter, ref: Reference, cfg: DecodeConfig, states=Non
             break
         cap = min(cfg.max_new_tokens - len(result.token_ids), max_ctx - P - 1) - 1
         tree = DraftTree()
+        t_draft = time.perf_counter()
         if cap > 0:
             with torch.inference_mode():
                 view = TargetView(
@@ -153,6 +160,7 @@ def replay_greedy(target, drafter, ref: Reference, cfg: DecodeConfig, states=Non
                     )
                 session.end_cycle()
             given = P
+        result.draft_s += time.perf_counter() - t_draft
         # The target's greedy token after each block position that lies on the greedy path.
         on_path = [True]
         for tok, parent, depth in zip(tree.tokens, tree.parents, tree.depths):

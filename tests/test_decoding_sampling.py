@@ -155,3 +155,28 @@ def test_greedy_equality_with_real_drafter_classes(llama, paradigm):
             assert out.token_ids == ref.token_ids
         else:
             assert len(out.token_ids) == 10
+
+
+def test_rejection_rule_with_a_reduced_draft_vocabulary():
+    """Drafts over a draft vocabulary mapped to target ids by d2t: q lives on 4 of 10 target tokens, and p
+    puts mass outside them; the engine's chain verification still emits exactly p."""
+    from kvshot_lib.decoding import GenerationResult, verify_sampled_chain
+    from kvshot_lib.draft_tree import DraftTree
+    from kvshot_lib.sampling import sample
+
+    g = torch.Generator().manual_seed(5)
+    p = torch.tensor([0.05, 0.2, 0.0, 0.15, 0.1, 0.05, 0.05, 0.3, 0.05, 0.05])  # [V=10]
+    q_draft = torch.tensor([0.4, 0.1, 0.3, 0.2])  # [V_draft=4]
+    d2t = torch.tensor([1, 3, 5, 7])
+    n, counts, result = 10_000, torch.zeros(10), GenerationResult([], 0, "")
+    for _ in range(n):
+        j = int(sample(q_draft, g))
+        tree = DraftTree(tokens=[int(d2t[j])], parents=[-1], depths=[0], q=[q_draft])
+        path, bonus = verify_sampled_chain(tree, torch.stack([p, p]), d2t, g, result)
+        counts[tree.tokens[0] if path else bonus] += 1
+    support = p > 0
+    assert counts[~support].sum() == 0
+    assert chisquare(counts[support].numpy(), (p[support] * n).numpy()).pvalue > STRICT
+    q_target = torch.zeros(10).index_copy_(0, d2t, q_draft)
+    rate = result.step_accepts[0] / result.step_attempts[0]
+    assert abs(rate - torch.minimum(p, q_target).sum().item()) < 0.02
