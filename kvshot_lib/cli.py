@@ -6,17 +6,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import generate_cli, runner, train_cli
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="kvshot", description="KVShot: speculative decoding research suite."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    from . import runner
-
     runner.add_cli(sub)  # kvshot run
-    from . import generate_cli; generate_cli.add_cli(sub)
-    from . import train_cli; train_cli.add_cli(sub)
+    generate_cli.add_cli(sub)  # kvshot generate, kvshot bench
+    train_cli.add_cli(sub)  # kvshot train
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 
