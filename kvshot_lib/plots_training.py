@@ -159,36 +159,34 @@ def plot_kv_vs_other_groups(probes: pd.DataFrame, stat: str = "rms"):
 
 
 def plot_kv_position_gradients(samples: pd.DataFrame, kv_positions: pd.DataFrame | None = None):
-    """Per own-K/V position: attention received vs. the norm of its key gradient, colored by unrolled step."""
+    """Per own-K/V position: attention received vs. the norm of its key gradient, colored by unrolled step.
+
+    The legend gives, per step, the Spearman correlation between the two over all positions of the last probe.
+    """
     names = _drafters(samples)
-    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(names), figsize=(4.6 * len(names), 4.2), squeeze=False)
     cmap = plt.get_cmap("viridis")
     for ax, (name, _, _) in zip(axes[0], names):
         d = samples[(samples["drafter"] == name) & (samples["layer"] == 0)]
+        rho = {}
+        if kv_positions is not None:
+            kp = kv_positions[(kv_positions["drafter"] == name) & (kv_positions["layer"] == 0)]
+            rho = {r.own_step: r.spearman_k for r in kp[kp["step"] == kp["step"].max()].itertuples()}
         top = max(1, int(d["own_step"].max()))
         for step, g in d.groupby("own_step"):
             ok = (g["received"] > 0) & (g["grad_k"] > 0)
+            label = f"made at step {step}" + (f" (ρ={rho[step]:.2f})" if step in rho else "")
             ax.scatter(
-                g["received"][ok],
-                g["grad_k"][ok],
-                s=5,
-                alpha=0.5,
-                color=cmap(step / top),
-                label=f"made at step {step}",
+                g["received"][ok], g["grad_k"][ok], s=5, alpha=0.5, color=cmap(step / top), label=label
             )
-        if kv_positions is not None:
-            kp = kv_positions[(kv_positions["drafter"] == name) & (kv_positions["layer"] == 0)]
-            last = kp[kp["step"] == kp["step"].max()]
-            rho = ", ".join(f"{r.own_step}:{r.spearman_k:.2f}" for r in last.itertuples())
-            ax.set_title(f"{name}\nSpearman ρ by step  {rho}", fontsize=9)
-        else:
-            ax.set_title(name)
+        ax.set_title(name)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("attention received (sum over heads, queries)")
         ax.grid(alpha=0.3)
         ax.legend(frameon=False, fontsize=7, markerscale=3)
     axes[0][0].set_ylabel("‖∂L/∂k‖ at that position")
+    fig.suptitle("The drafter's own keys (layer 0, last probe): gradient follows the attention they receive")
     fig.tight_layout()
     return fig
 

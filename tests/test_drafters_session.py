@@ -37,17 +37,18 @@ def ids():
 
 
 @pytest.mark.parametrize("paradigm,mode,n_layers", VARIANTS)
-def test_session_matches_training_unroll(tiny_llama, ids, paradigm, mode, n_layers):
-    d = drafter(tiny_llama, paradigm, mode, n_layers)
+def test_session_matches_training_unroll(tiny_target, ids, paradigm, mode, n_layers):
+    """On both target families (Llama, Qwen3): decode-time logits equal the training unroll's, step by step."""
+    d = drafter(tiny_target, paradigm, mode, n_layers)
     K, T = 4, len(ids)
     with torch.no_grad():
-        un = d(batch_from_target(tiny_llama, ids, torch.ones(T, dtype=torch.bool), d.cfg), K)
+        un = d(batch_from_target(tiny_target, ids, torch.ones(T, dtype=torch.bool), d.cfg), K)
         train_logits = [d.logits(h)[0] for h in un.outs]  # each [N, V_draft]
     for i in (0, 3, 9):  # branch i: root x_{i+1}; then the chain x_{i+2}, x_{i+3}, ...
         s = d.new_session()
         assert isinstance(s, DraftSession) and s.d2t is d.d2t
         assert s.hidden_layers == (d.cfg.hidden_layers if paradigm != "kv" else ())
-        got = [s.start_cycle(ids[None, : i + 2], view(tiny_llama, ids[: i + 2]))]
+        got = [s.start_cycle(ids[None, : i + 2], view(tiny_target, ids[: i + 2]))]
         for k in range(1, K):
             got.append(s.expand(ids[i + 1 + k : i + 2 + k], torch.tensor([k - 2]))[0])
         s.end_cycle()
