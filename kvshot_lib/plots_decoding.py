@@ -18,16 +18,20 @@ def _colors(names) -> dict:
     return {name: cmap(i % cmap.N) for i, name in enumerate(names)}
 
 
-def plot_acceptance_by_step(table: pd.DataFrame, title: str = "Acceptance by draft step"):
+def plot_acceptance_by_step(
+    table: pd.DataFrame, title: str = "Acceptance by draft step", min_attempts: int = 20
+):
     """Left: alpha_k, acceptance at step k given steps 0..k-1 accepted. Right: P(steps 0..k all accepted).
-    One row of panels per temperature; color = drafter, line style = chain (solid) / tree (dashed)."""
+    One row of panels per temperature; color = drafter, line style = chain (solid) / tree (dashed).
+    Steps attempted fewer than ``min_attempts`` times are not drawn (their alpha is noise); the table
+    keeps them with their ``n_attempts``."""
     temps = sorted(table["temperature"].unique())
     colors = _colors(list(dict.fromkeys(table["drafter"])))
     fig, axes = plt.subplots(len(temps), 2, figsize=(11, 3.6 * len(temps)), squeeze=False, sharex=True)
     for row, temp in zip(axes, temps):
         sub = table[table["temperature"] == temp]
         for (drafter, mode), d in sub.groupby(["drafter", "mode"], sort=False):
-            d = d.sort_values("step")
+            d = d[d["n_attempts"] >= min_attempts].sort_values("step")
             kw = dict(color=colors[drafter], linestyle=MODE_STYLE.get(mode, ":"), marker="o", markersize=3)
             row[0].plot(d["step"], d["alpha_conditional"], label=f"{drafter} ({mode})", **kw)
             row[1].plot(d["step"], d["p_reach"], **kw)
@@ -42,7 +46,7 @@ def plot_acceptance_by_step(table: pd.DataFrame, title: str = "Acceptance by dra
     axes[0][1].set_title("unconditional: reach probability")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
-    fig.suptitle(title)
+    fig.suptitle(f"{title}  (steps with < {min_attempts} attempts not drawn)")
     fig.tight_layout()
     return fig
 
