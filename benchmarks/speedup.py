@@ -9,7 +9,7 @@ Reports, on this machine, in one run:
   and every trained drafter under ``--run-dir``/drafters/, with the best chain and tree speedups.
 
 Prints and saves ``benchmarks/results/speedup_<machine>.json``. Usage:
-    python benchmarks/speedup.py [--n-questions 6] [--turns 2] [--max-new-tokens 96] [--threads 1]
+    python benchmarks/speedup.py [--n-questions 3] [--turns 2] [--max-new-tokens 64] [--threads 1]
 """
 
 from __future__ import annotations
@@ -69,13 +69,13 @@ def main() -> None:
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--run-dir", default="runs/default", help="where notebook 02 left trained drafters")
     ap.add_argument("--drafters", nargs="+", default=["ngram", "self"], help="baseline drafters")
-    ap.add_argument("--n-questions", type=int, default=6, help="MT-bench questions")
+    ap.add_argument("--n-questions", type=int, default=3, help="MT-bench questions")
     ap.add_argument("--turns", type=int, default=2, choices=(1, 2))
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--chain-depth", type=int, default=3)
-    ap.add_argument("--tree-depth", type=int, default=6)
-    ap.add_argument("--tree-top-k", type=int, default=4)
-    ap.add_argument("--tree-budget", type=int, default=16)
+    ap.add_argument("--tree-depth", type=int, default=5)
+    ap.add_argument("--tree-top-k", type=int, default=3)
+    ap.add_argument("--tree-budget", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
     if args.threads:
