@@ -134,7 +134,14 @@ def plan_run(
 ) -> list[tuple[Path, dict]]:
     """Check every parameter against the notebooks' declarations; return [(notebook, parameters)] in order."""
     available = list_notebooks(notebook_dir)
-    selected = profile.notebooks or sorted(available)
+    in_profile = profile.notebooks or sorted(available)
+    missing = [n for n in in_profile if n not in available]
+    if missing:
+        raise ProfileError(
+            f"profile {profile.name!r} lists notebooks {missing} that do not exist; "
+            f"available: {sorted(available)}."
+        )
+    selected = in_profile
     if only:
         only = [str(o).zfill(2) for o in only]
         missing = [o for o in only if o not in available]
@@ -143,31 +150,32 @@ def plan_run(
                 f"--only names notebooks {missing} that do not exist; available: {sorted(available)}."
             )
         selected = [n for n in sorted(available) if n in only]
-    missing = [n for n in selected if n not in available]
-    if missing:
-        raise ProfileError(
-            f"profile {profile.name!r} lists notebooks {missing} that do not exist; "
-            f"available: {sorted(available)}."
-        )
-    declared = {n: notebook_parameters(available[n]) for n in selected}
-    common = {**profile.parameters, **(sets or {})}
-    plan = []
-    for key in common:
-        if key in INJECTED:
-            raise ProfileError(f"{key!r} is set by the runner; remove it from the profile / --set.")
-        if not any(key in d for d in declared.values()):
+    declared = {n: notebook_parameters(available[n]) for n in sorted(set(in_profile) | set(selected))}
+    # The profile is checked as a whole, so that `--only` runs with the same profile as a full run;
+    # a --set must be meant for one of the notebooks that will run.
+    for keys, scope in ((profile.parameters, in_profile), (sets or {}, selected)):
+        for key in keys:
+            if key in INJECTED:
+                raise ProfileError(f"{key!r} is set by the runner; remove it from the profile / --set.")
+            if not any(key in declared[n] for n in scope):
+                raise ProfileError(
+                    f"Unknown parameter {key!r}: no notebook of this run ({', '.join(scope)}) declares it "
+                    "in its parameters cell."
+                )
+    for n, extra in profile.overrides.items():
+        if n not in declared:
             raise ProfileError(
-                f"Unknown parameter {key!r}: no selected notebook ({', '.join(selected)}) declares it "
-                "in its parameters cell."
+                f"profile {profile.name!r} overrides notebook {n}, which is not in the profile."
             )
-    for n in selected:
-        extra = profile.overrides.get(n, {})
         for key in extra:
             if key not in declared[n]:
                 raise ProfileError(
                     f"{available[n].name}: the profile overrides {key!r}, which this notebook's "
                     f"parameters cell does not declare (it declares {sorted(declared[n])})."
                 )
+    plan = []
+    for n in selected:
+        extra = profile.overrides.get(n, {})
         params = {
             k: v for k, v in {**profile.parameters, **extra, **(sets or {})}.items() if k in declared[n]
         }
@@ -230,9 +238,19 @@ def run_profile(
             {"notebook": nb.name, "seconds": round(time.perf_counter() - t0, 1), "output": str(out)}
         )
         print(f"[kvshot] {nb.name} done in {records[-1]['seconds']} s", flush=True)
-    (run_dir / "results" / "run_log.json").write_text(
-        json.dumps({"profile": profile.name, "only": only, "sets": sets, "notebooks": records}, indent=1)
+    log = run_dir / "results" / "run_log.json"  # one entry per invocation, newest last
+    history = json.loads(log.read_text()) if log.is_file() else []
+    history = history if isinstance(history, list) else [history]
+    history.append(
+        {
+            "profile": profile.name,
+            "only": only,
+            "sets": sets,
+            "notebooks": records,
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
     )
+    log.write_text(json.dumps(history, indent=1))
     return records
 
 

@@ -57,6 +57,14 @@ def test_bad_parameters_name_the_notebook_and_key(nbdir, profile, sets, match):
         plan_run(profile, sets=sets, notebook_dir=nbdir)
 
 
+def test_only_runs_with_the_whole_profile_but_sets_must_fit_the_selection(nbdir):
+    profile = Profile("p", parameters={"rate": 0.2, "layers": [4]})
+    plan = plan_run(profile, only=["01"], notebook_dir=nbdir)  # 'rate' is for 00 only: still valid
+    assert [(nb.name, params) for nb, params in plan] == [("01_b.ipynb", {"layers": [4]})]
+    with pytest.raises(ProfileError, match="Unknown parameter 'rate'"):
+        plan_run(Profile("p"), only=["01"], sets={"rate": 0.3}, notebook_dir=nbdir)
+
+
 def test_parameters_cell_must_hold_literals(tmp_path):
     _notebook(tmp_path / "00_a.ipynb", "n = len('abc')\n")
     with pytest.raises(ProfileError, match="not a literal"):
