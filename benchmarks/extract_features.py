@@ -1,7 +1,7 @@
 """Feature-extraction throughput on the default target, against raw prefill on the same machine.
 
 Prints and saves ``benchmarks/results/extract_features_<machine>.json``. Usage:
-    python benchmarks/extract_features.py [--target smollm2-135m] [--conversations 24] [--max-len 1024]
+    python benchmarks/extract_features.py [--target smollm2-135m] [--conversations 24] [--max-len 1024] [--threads 0]
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ def main() -> None:
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--conversations", type=int, default=24)
     ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     tgt = load_target(args.target, device="cpu", dtype="float32")
     split = data.tokenize_sharegpt(tgt.tokenizer, "train", args.conversations, args.max_len, seed=0)
