@@ -8,8 +8,9 @@ Reports, on this machine, in one run:
 * the MT-bench speed table of ``kvshot_lib.speedup`` (the one notebook 06 writes) for the baseline drafters
   and every trained drafter under ``--run-dir``/drafters/, with the best chain and tree speedups.
 
-Prints and saves ``benchmarks/results/speedup_<machine>.json``. Usage:
+Prints and saves ``benchmarks/results/speedup_<machine>[_<dtype>][_4bit].json``. Usage:
     python benchmarks/speedup.py [--n-questions 3] [--turns 2] [--max-new-tokens 64] [--threads 1]
+    python benchmarks/speedup.py --device cuda --dtype bfloat16 [--load-in-4bit]   # on a GPU
 """
 
 from __future__ import annotations
@@ -32,33 +33,39 @@ from kvshot_lib.targets import load_target
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def _clock(device: torch.device) -> float:
+    """Wall time after the device's queued work is done (a GPU runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 @torch.inference_mode()
 def bare_loop_tokens_per_s(model, prompt: list[int], n: int) -> float:
     cache = DynamicCache(config=model.config)
-    tok = (
-        model(torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    )  # [1, 1]
-    t0 = time.perf_counter()
+    ids = torch.tensor([prompt], device=model.device)  # [1, T]
+    tok = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)  # [1, 1]
+    t0 = _clock(model.device)
     for _ in range(n):
         tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    return n / (time.perf_counter() - t0)
+    return n / (_clock(model.device) - t0)
 
 
 @torch.inference_mode()
 def block_costs(model, prompt: list[int], ks=(1, 2, 3, 4, 5, 8, 16, 32), reps: int = 5) -> dict:
     """Median seconds of a k-token forward on a cache of the prompt, with and without the kernel."""
     cache = DynamicCache(config=model.config)
-    model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    model(torch.tensor([prompt], device=model.device), past_key_values=cache, use_cache=True)
     out = {}
     for kernel in (False, True):
         with small_batch_linear(model, enabled=kernel):
             for k in ks:
-                x = torch.randint(100, 1000, (1, k))
+                x = torch.randint(100, 1000, (1, k), device=model.device)
                 times = []
                 for _ in range(reps):
-                    t0 = time.perf_counter()
+                    t0 = _clock(model.device)
                     model(x, past_key_values=cache, use_cache=True)
-                    times.append(time.perf_counter() - t0)
+                    times.append(_clock(model.device) - t0)
                     cache.crop(-k)
                 out[f"{'kernel' if kernel else 'blas'}_k{k}"] = sorted(times)[reps // 2]
     return out
@@ -77,11 +84,14 @@ def main() -> None:
     ap.add_argument("--tree-top-k", type=int, default=3)
     ap.add_argument("--tree-budget", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
+    ap.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes 4-bit target (CUDA only)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    tgt = load_target(args.target, device="cpu", dtype="float32")
+    tgt = load_target(args.target, device=args.device, dtype=args.dtype, load_in_4bit=args.load_in_4bit)
     drafters, note = drafters_for_run(args.run_dir, tgt, args.drafters)
     print(note)
     prompts = speedup.mtbench_first_turns(tgt.tokenizer, 1)
@@ -141,7 +151,8 @@ def main() -> None:
             )
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"speedup_{speedup.machine_name(machine)}.json"
+    suffix = ("" if args.dtype == "float32" else f"_{args.dtype}") + ("_4bit" if args.load_in_4bit else "")
+    path = RESULTS / f"speedup_{speedup.machine_name(machine)}{suffix}.json"
     path.write_text(
         json.dumps(
             dict(

@@ -139,7 +139,7 @@ def _tiny_model(name: str, seed: int):
 
 
 def _hf_model(name: str, device: str, dtype: torch.dtype, load_in_4bit: bool):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig
 
     looks_like_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
     if not Path(name).expanduser().exists() and not looks_like_id:
@@ -158,14 +158,20 @@ def _hf_model(name: str, device: str, dtype: torch.dtype, load_in_4bit: bool):
         raise TargetLoadError(
             f"{name!r} is a {config.model_type!r} model; KVShot supports {SUPPORTED_FAMILIES}."
         )
+    return _from_pretrained(name, device, dtype, load_in_4bit)
+
+
+def _from_pretrained(path: str, device: str, dtype: torch.dtype, load_in_4bit: bool):
+    """A checkpoint folder or hub id, in ``dtype``, or 4-bit (bitsandbytes NF4) placed on ``device``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     kwargs: dict = dict(dtype=dtype, attn_implementation="sdpa")
     if load_in_4bit:
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype)
         kwargs["device_map"] = {"": device}
-    model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
-    return model, AutoTokenizer.from_pretrained(name)
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs), AutoTokenizer.from_pretrained(path)
 
 
 def _fingerprint(config) -> str:
@@ -192,11 +198,9 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
 
 def _load(name: str, device: str, torch_dtype: torch.dtype, load_in_4bit: bool, seed: int):
     if name == "smollm2-135m":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        path = assets.smollm2_model_dir()
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="sdpa")
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model, tokenizer = _from_pretrained(
+            str(assets.smollm2_model_dir()), device, torch_dtype, load_in_4bit
+        )
     elif name in ("tiny-llama", "tiny-qwen3"):
         model, tokenizer = _tiny_model(name, seed)
         model = model.to(torch_dtype)
@@ -216,6 +220,11 @@ def load_target(
     """Load a target by preset name, Hugging Face id or local path; the model is frozen and in eval mode."""
     if not isinstance(name, str) or not name:
         raise TargetLoadError(f"target must be a non-empty string, got {name!r}.")
+    if load_in_4bit and name in ("tiny-llama", "tiny-qwen3"):
+        raise TargetLoadError(
+            f"{name!r} is a random test model built in memory; load_in_4bit applies to pretrained "
+            "checkpoints (smollm2-135m, a Hugging Face id or a local folder)."
+        )
     device = _resolve_device(device)
     if load_in_4bit and not device.startswith("cuda"):
         raise TargetLoadError(

@@ -13,6 +13,7 @@ up to a chosen position.
 
 import pytest
 import torch
+from conftest import TEST_DEVICE
 from transformers import DynamicCache
 
 from kvshot_lib import decoding
@@ -26,14 +27,14 @@ GREEDY_NEW = 8  # tokens per prompt in the 50-prompt equality test
 
 
 def spread_target(name: str, seed: int = 1, std: float = 0.2):
-    target = load_target(name, device="cpu", dtype="float32")
+    target = load_target(name, device=TEST_DEVICE, dtype="float32")
     g = torch.Generator().manual_seed(seed)
     model = target.model
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if p.dim() == 2 and "embed" not in pname:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
-        head = torch.randn(model.lm_head.weight.shape, generator=g)
+        head = torch.randn(model.lm_head.weight.shape, generator=g).to(model.device)
         model.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
     return target
 
@@ -85,7 +86,7 @@ class ScriptedSession:
         self.full, self.vocab, self.wrong_at = full, vocab, wrong_at
 
     def _logits(self, pos: int, step: int) -> torch.Tensor:
-        logits = torch.zeros(self.vocab)
+        logits = torch.zeros(self.vocab, device=TEST_DEVICE)
         token = self.full[pos] if pos < len(self.full) else 0
         if step == self.wrong_at:
             token = (token + 1) % self.vocab

@@ -42,7 +42,9 @@ def exact_joint(target, prompt, n_tokens, temperature, top_k):
         for _ in range(n_tokens):
             nxt = {}
             for prefix, prob in out.items():
-                logits = target.model(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+                logits = target.model(
+                    torch.tensor([prompt + list(prefix)], device=target.model.device)
+                ).logits[0, -1]
                 p = logits_to_probs(logits, temperature, top_k)
                 for t in p.nonzero()[:, 0].tolist():
                     nxt[prefix + (t,)] = prob * float(p[t])
@@ -122,7 +124,7 @@ def test_drafters_get_exactly_the_newly_committed_hidden_states(llama, mode):
         prompt,
         DecodeConfig(mode=mode, max_new_tokens=12, tree_top_k=2, tree_budget=6, stop_token_ids=()),
     )
-    full = torch.tensor([prompt + out.token_ids])
+    full = torch.tensor([prompt + out.token_ids], device=llama.model.device)
     with torch.inference_mode():
         states = llama.model(full, output_hidden_states=True).hidden_states
     seen = 0

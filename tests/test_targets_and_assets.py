@@ -50,7 +50,8 @@ def test_smollm2_is_the_real_model():
     [
         (dict(name="no-such-model"), "Unknown target"),
         (dict(name="./definitely/missing/path"), "Unknown target"),
-        (dict(name="tiny-llama", load_in_4bit=True, device="cpu"), "CUDA"),
+        (dict(name="smollm2-135m", load_in_4bit=True, device="cpu"), "CUDA"),
+        (dict(name="tiny-llama", load_in_4bit=True), "random test model"),
         (dict(name="tiny-llama", dtype="float8"), "dtype"),
         (dict(name=""), "non-empty"),
     ],
