@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny seeded random targets (built in about a second) and SmolLM2's tokenizer.
+"""Shared fixtures: tiny seeded random targets (built in about a second), SmolLM2's tokenizer, and the
+engine tests' spread targets and random prompts.
 
 The tests run on the CPU. ``KVSHOT_TEST_DEVICE=cuda`` builds the engine tests' targets on a GPU instead,
 to check the CUDA path by hand on a machine that has one; CI never sets it.
@@ -7,6 +8,7 @@ to check the CUDA path by hand on a machine that has one; CI never sets it.
 import os
 
 import pytest
+import torch
 
 from kvshot_lib.targets import load_target, smollm2_tokenizer
 
@@ -31,3 +33,38 @@ def tiny_target(request):
 @pytest.fixture(scope="session")
 def tokenizer():
     return smollm2_tokenizer()
+
+
+def spread_target(name: str, seed: int = 1, std: float = 0.2):
+    """A tiny target with re-drawn, wider weights and an untied LM head: varied greedy outputs whose top-2
+    logit gaps are far above float noise (a fresh tiny model mostly repeats its input)."""
+    target = load_target(name, device=TEST_DEVICE, dtype="float32")
+    g = torch.Generator().manual_seed(seed)
+    model = target.model
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in pname:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        head = torch.randn(model.lm_head.weight.shape, generator=g).to(model.device)
+        model.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
+    return target
+
+
+def random_prompts(n: int, seed: int, vocab: int = 49152) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 40, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (t,), generator=g).tolist() for t in lengths]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy 2-core machine OpenMP barriers cost ~ms per op."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return spread_target("tiny-llama")

@@ -6,57 +6,27 @@ spread and unties the LM head, so that greedy outputs are varied and the top-2 l
 float noise. Comparisons stay exact (token equality, caches to 1e-5).
 
 Drafters: the target itself (everything accepted), a random drafter (nearly everything rejected), the
-target's first 4 layers as a stand-in for a trained drafter (``early-exit-4``; TODO: add the real
-trained drafters once kvshot_lib.drafters.load_drafter exists), and scripted drafters that accept exactly
-up to a chosen position.
+target's first 4 layers (``early-exit-4``), drafters of the three paradigms trained here on the
+target's own greedy continuations (TTT, so that they are partly right), and scripted drafters that
+accept exactly up to a chosen position.
 """
 
 import pytest
 import torch
-from conftest import TEST_DEVICE
+from conftest import TEST_DEVICE, random_prompts, spread_target
 from transformers import DynamicCache
 
 from kvshot_lib import decoding
 from kvshot_lib.baseline_drafters import NgramDrafter, RandomDrafter, SelfDrafter, resolve_drafter
 from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, speculative_generate
-from kvshot_lib.targets import load_target
+from kvshot_lib.drafters import build_drafter, drafter_config_for
+from kvshot_lib.train_config import TrainConfig
+from kvshot_lib.train_data import batch_from_target
+from kvshot_lib.training import Objective
 
 N_PROMPTS = 50
 MAX_NEW = 12
 GREEDY_NEW = 8  # tokens per prompt in the 50-prompt equality test
-
-
-def spread_target(name: str, seed: int = 1, std: float = 0.2):
-    target = load_target(name, device=TEST_DEVICE, dtype="float32")
-    g = torch.Generator().manual_seed(seed)
-    model = target.model
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in pname:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-        head = torch.randn(model.lm_head.weight.shape, generator=g).to(model.device)
-        model.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
-    return target
-
-
-def random_prompts(n: int, seed: int, vocab: int = 49152) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(3, 40, (n,), generator=g).tolist()
-    return [torch.randint(0, vocab, (t,), generator=g).tolist() for t in lengths]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy 2-core machine OpenMP barriers cost ~ms per op."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return spread_target("tiny-llama")
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +44,36 @@ def reference(llama, prompts):
     """Plain greedy decoding of every prompt, without stop tokens."""
     cfg = DecodeConfig(mode="ar", max_new_tokens=MAX_NEW, stop_token_ids=())
     return [autoregressive_generate(llama, p, cfg).token_ids for p in prompts]
+
+
+def train_on_reference(target, prompts, reference, paradigm: str, steps: int = 250):
+    """A real drafter of ``paradigm`` trained (TTT, 3 steps) on the target's greedy continuations."""
+    seqs = [torch.tensor(p + r) for p, r in zip(prompts, reference)]
+    d2t = torch.unique(torch.cat([torch.tensor(r) for r in reference]))  # sorted draft vocabulary
+    dcfg = drafter_config_for(target, paradigm, draft_vocab_size=len(d2t))
+    drafter = build_drafter(dcfg, target, d2t, seed=0)
+    batches = []
+    for p, ids in zip(prompts, seqs):
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[len(p) - 1 :] = True  # positions that predict the continuation
+        batches.append(batch_from_target(target, ids.to(target.model.device), mask, dcfg))
+    objective = Objective(drafter, TrainConfig(paradigm=paradigm, regime="ttt", ttt_steps=3))
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for step in range(steps):
+        loss, _ = objective(batches[step % len(batches)])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def trained(llama, prompts, reference):
+    return {
+        f"trained-{paradigm}": train_on_reference(llama, prompts, reference, paradigm)
+        for paradigm in ("hidden", "kv", "hybrid")
+    }
 
 
 class ScriptedSession:
@@ -123,9 +123,15 @@ MODES = [("chain", dict(chain_depth=k)) for k in (1, 2, 3, 5, 8)] + [
 ]
 
 
-@pytest.mark.parametrize("drafter_name", ["self", "random", "early-exit-4"])
-def test_greedy_equals_plain_decoding_on_50_prompts(llama, prompts, reference, drafter_name):
-    drafter = resolve_drafter(drafter_name, llama, seed=7)
+@pytest.mark.parametrize(
+    "drafter_name",
+    ["self", "random", "early-exit-4", "trained-hidden", "trained-kv", "trained-hybrid"],
+)
+def test_greedy_equals_plain_decoding_on_50_prompts(llama, prompts, reference, drafter_name, request):
+    if drafter_name.startswith("trained-"):
+        drafter = request.getfixturevalue("trained")[drafter_name]
+    else:
+        drafter = resolve_drafter(drafter_name, llama, seed=7)
     for mode, kw in MODES:
         cfg = DecodeConfig(mode=mode, max_new_tokens=GREEDY_NEW, stop_token_ids=(), **kw)
         accepted = drafted = 0
@@ -141,6 +147,8 @@ def test_greedy_equals_plain_decoding_on_50_prompts(llama, prompts, reference, d
             assert rate >= 0.98, f"self-drafting accepted only {rate:.3f}"
         elif drafter_name == "random":
             assert rate < 0.02
+        elif drafter_name.startswith("trained-"):
+            assert rate > 0.2, f"{drafter_name} accepted only {rate:.3f}: it did not learn the continuations"
         else:
             assert 0.02 < rate < 0.98, f"the stand-in drafter should be partly right, got {rate:.3f}"
 

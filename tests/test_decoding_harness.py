@@ -5,26 +5,13 @@ import json
 
 import pytest
 import torch
-from test_decoding import random_prompts, spread_target
+from conftest import random_prompts
 
 from kvshot_lib import acceptance, cli, speedup
 from kvshot_lib.acceptance import Reference, replay_greedy
 from kvshot_lib.baseline_drafters import SelfDrafter, drafters_for_run, resolve_drafter
 from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, speculative_generate
 from kvshot_lib.drafters import build_drafter, drafter_config_for
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return spread_target("tiny-llama")
 
 
 def _counts(r):

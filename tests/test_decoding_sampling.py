@@ -10,8 +10,8 @@ import itertools
 
 import pytest
 import torch
+from conftest import random_prompts
 from scipy.stats import chisquare
-from test_decoding import random_prompts, spread_target
 
 from kvshot_lib.baseline_drafters import SelfDrafter
 from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, speculative_generate
@@ -20,19 +20,6 @@ from kvshot_lib.sampling import logits_to_probs
 
 N_RUNS = 300
 STRICT = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return spread_target("tiny-llama")
 
 
 def exact_joint(target, prompt, n_tokens, temperature, top_k):
