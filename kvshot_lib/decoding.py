@@ -143,7 +143,7 @@ def keep_block_positions(cache, start: int, keep: list[int]) -> None:
     """Keep the block entries ``start + keep[i]`` at ``start + i`` in every layer, then crop the rest."""
     n_keep, total = len(keep), cache.get_seq_length()
     if keep != list(range(n_keep)):
-        src = torch.tensor(keep) + start  # [n_keep]
+        src = torch.tensor(keep, device=cache.layers[0].keys.device) + start  # [n_keep]
         for layer in cache.layers:
             layer.keys[:, :, start : start + n_keep] = layer.keys[:, :, src]  # [B, kvH, n_keep, D]
             layer.values[:, :, start : start + n_keep] = layer.values[:, :, src]
@@ -225,10 +225,10 @@ def verify_sampled_chain(tree: DraftTree, p: Tensor, d2t, gen, result) -> tuple[
     """The rejection rule on a chain whose drafts were sampled from ``tree.q``; ``p [n+1, V]`` holds the
     target's probabilities at the root and after each draft."""
     n = len(tree)
-    q = torch.stack(tree.q)  # [n, V_draft]
+    q = torch.stack(tree.q).to(p.device)  # [n, V_draft]
     if d2t is not None:
-        q = torch.zeros(n, p.shape[-1], dtype=q.dtype).index_copy_(1, d2t.to(torch.long), q)  # [n, V]
-    ok = accept_draft_tokens(p[:n], q, torch.tensor(tree.tokens), gen).tolist()
+        q = q.new_zeros(n, p.shape[-1]).index_copy_(1, d2t.to(p.device, torch.long), q)  # [n, V]
+    ok = accept_draft_tokens(p[:n], q, torch.tensor(tree.tokens, device=p.device), gen).tolist()
     n_acc = ok.index(False) if False in ok else n
     for step in range(min(n_acc + 1, n)):
         _count_step(result, step, step < n_acc)
@@ -354,7 +354,7 @@ def _speculative(target, drafter, prompt_ids, cfg: DecodeConfig, on_cycle) -> Ge
         new = [tree.tokens[i] for i in path] + [bonus]
         done = _commit(result, new, stops, cfg)
         if not done:
-            committed[0, P + 1 : P + 1 + len(new)] = torch.tensor(new)
+            committed[0, P + 1 : P + 1 + len(new)] = torch.tensor(new, device=dev)
         result.draft_s += t_verify - t_draft
         result.verify_s += time.perf_counter() - t_verify
         if on_cycle is not None and not done:

@@ -74,10 +74,11 @@ def draft_chain(
     if ``stop_after(step, token)`` returns True (the greedy replay stops at the first wrong draft)."""
     tree = DraftTree()
     logits = session.start_cycle(committed, view)  # [V_draft]
-    d2t = session.d2t
+    d2t, dev = session.d2t, logits.device
     for d in range(depth):
         if d > 0:
-            logits = session.expand(torch.tensor([tree.tokens[-1]]), torch.tensor([d - 2]))[0]  # [V_draft]
+            token, parent = torch.tensor([tree.tokens[-1]], device=dev), torch.tensor([d - 2], device=dev)
+            logits = session.expand(token, parent)[0]  # [V_draft]
         if not torch.isfinite(logits.max()):
             break  # the drafter declines
         if temperature == 0:
@@ -86,7 +87,7 @@ def draft_chain(
             q = logits_to_probs(logits, temperature, top_k, top_p)  # [V_draft]
             j = int(sample(q, generator))
             tree.q.append(q)
-        tree.tokens.append(int(_to_target(torch.tensor(j), d2t)))
+        tree.tokens.append(int(_to_target(torch.tensor(j, device=dev), d2t)))
         tree.parents.append(d - 1)
         tree.depths.append(d)
         if stop_after is not None and stop_after(d, tree.tokens[-1]):
@@ -116,6 +117,7 @@ def draft_dynamic_tree(
     temperature / top-k / top-p when ``temperature > 0``). ``depth - 1`` expand calls."""
     d2t = session.d2t
     logq = _log_q(session.start_cycle(committed, view), temperature, sample_top_k, top_p)  # [V_draft]
+    dev = logq.device
     # Candidates: parallel lists. cand_session[c] is c's index among expanded session nodes, or -1.
     tok: list[int] = []
     par: list[int] = []
@@ -138,16 +140,16 @@ def draft_dynamic_tree(
         # Expand the best top_k of the previous level (already at most top_k at level 0).
         best = frontier_scores.topk(min(top_k, len(frontier))).indices.tolist()
         nodes = [frontier[b] for b in best]
-        parents = torch.tensor([cand_session.get(par[c], -1) for c in nodes])  # [n]
-        logits = session.expand(torch.tensor([tok[c] for c in nodes]), parents)  # [n, V_draft]
+        parents = torch.tensor([cand_session.get(par[c], -1) for c in nodes], device=dev)  # [n]
+        logits = session.expand(torch.tensor([tok[c] for c in nodes], device=dev), parents)  # [n, V_draft]
         for i, c in enumerate(nodes):
             cand_session[c] = n_expanded + i
         n_expanded += len(nodes)
         child_logq = _log_q(logits, temperature, sample_top_k, top_p)  # [n, V_draft]
         vals, idx = child_logq.topk(min(top_k, child_logq.shape[-1]), dim=-1)  # [n, K]
-        cum = torch.tensor([scores[c] for c in nodes])[:, None] + vals  # [n, K]
+        cum = torch.tensor([scores[c] for c in nodes], device=vals.device)[:, None] + vals  # [n, K]
         keep = torch.isfinite(cum)
-        rows = torch.arange(len(nodes))[:, None].expand_as(cum)[keep]  # [m]
+        rows = torch.arange(len(nodes), device=cum.device)[:, None].expand_as(cum)[keep]  # [m]
         cum, idx = cum[keep], idx[keep]  # [m]
         start = len(tok)
         tok += _to_target(idx, d2t).tolist()

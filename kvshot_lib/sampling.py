@@ -51,6 +51,13 @@ def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int = 0, to
     return logits.softmax(-1)
 
 
+def _uniform(shape, generator: torch.Generator | None, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """U[0, 1) draws from ``generator``'s own device (the engine seeds a CPU generator), moved to ``device``:
+    the same seed gives the same draws on a CPU and on a GPU."""
+    where = generator.device if generator is not None else device
+    return torch.rand(shape, generator=generator, dtype=dtype, device=where).to(device)
+
+
 def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One token per row of ``probs [..., V]`` -> ``[...]`` int64, by inverting the CDF (in float64).
 
@@ -58,7 +65,7 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     probability 0: it takes the first token whose CDF exceeds ``u * total``."""
     flat = probs.reshape(-1, probs.shape[-1]).double()  # [n, V]
     cdf = flat.cumsum(-1)  # [n, V]
-    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)  # [n, 1]
+    u = _uniform((flat.shape[0], 1), generator, torch.float64, flat.device)  # [n, 1]
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max(flat.shape[-1] - 1)  # [n, 1]
     return idx.reshape(probs.shape[:-1])
 
@@ -72,7 +79,7 @@ def accept_draft_tokens(p: Tensor, q: Tensor, x: Tensor, generator: torch.Genera
     """
     px = p.gather(-1, x[:, None])[:, 0]  # [n]
     qx = q.gather(-1, x[:, None])[:, 0]  # [n]
-    u = torch.rand(px.shape, generator=generator, dtype=px.dtype, device=px.device)  # [n]
+    u = _uniform(px.shape, generator, px.dtype, px.device)  # [n]
     return u * qx < px
 
 

@@ -56,7 +56,7 @@ def train_on_reference(target, prompts, reference, paradigm: str, steps: int = 2
     for p, ids in zip(prompts, seqs):
         mask = torch.zeros(len(ids), dtype=torch.bool)
         mask[len(p) - 1 :] = True  # positions that predict the continuation
-        batches.append(batch_from_target(target, ids.to(target.model.device), mask, dcfg))
+        batches.append(batch_from_target(target, ids, mask, dcfg).to(target.model.device))
     objective = Objective(drafter, TrainConfig(paradigm=paradigm, regime="ttt", ttt_steps=3))
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
     torch.manual_seed(0)
