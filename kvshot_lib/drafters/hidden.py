@@ -19,39 +19,54 @@ from .common import TrainableDrafter
 from .config import DrafterConfig
 
 
+def init_input(layer: nn.Module, cfg: DrafterConfig, first: bool) -> int:
+    """Give ``layer`` its input norms; returns its input width. Layer 1 reads
+    ``[norm(embedding), norm(feature)]`` (``2H``), later layers ``norm(x)`` (``H``)."""
+    H, eps = cfg.hidden_size, cfg.rms_norm_eps
+    layer.first = first
+    if first:
+        layer.emb_norm = RMSNorm(H, eps)
+        layer.feat_norm = RMSNorm(H, eps)
+    else:
+        layer.input_norm = RMSNorm(H, eps)
+    return 2 * H if first else H
+
+
+def layer_input(layer: nn.Module, x: Tensor, emb: Tensor) -> Tensor:
+    if layer.first:
+        return torch.cat([layer.emb_norm(emb), layer.feat_norm(x)], dim=-1)  # [B, n, 2H]
+    return layer.input_norm(x)  # [B, n, H]
+
+
+def self_attention(layer: nn.Module, a: Tensor, cos: Tensor, sin: Tensor, ctx, li: int) -> Tensor:
+    """Attention of ``a`` over the drafter's own sequence (context and current branch): ``[B, n, H]``."""
+    q = layer.self_attn.query(a, cos, sin)  # [B, h, n, D]
+    k, v = layer.self_attn.key_value(a, cos, sin)  # [B, kvH, n, D]
+    return layer.self_attn.out(segmented_attention(q, ctx.self_segments(li, k, v), ctx.recorder))
+
+
 class HiddenLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig, first: bool):
         super().__init__()
-        H, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.first = first
-        if first:
-            self.emb_norm = RMSNorm(H, eps)
-            self.feat_norm = RMSNorm(H, eps)
-        else:
-            self.input_norm = RMSNorm(H, eps)
-        in_dim = 2 * H if first else H
+        H = cfg.hidden_size
+        in_dim = init_input(self, cfg, first)
         self.self_attn = Attention(in_dim, H, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
-        self.post_norm = RMSNorm(H, eps)
+        self.post_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(H, cfg.intermediate_size)
 
     def forward(self, x: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, ctx, li: int) -> Tensor:
-        if self.first:
-            a = torch.cat([self.emb_norm(emb), self.feat_norm(x)], dim=-1)  # [B, n, 2H]
-        else:
-            a = self.input_norm(x)  # [B, n, H]
-        q = self.self_attn.query(a, cos, sin)  # [B, h, n, D]
-        k, v = self.self_attn.key_value(a, cos, sin)  # [B, kvH, n, D]
-        o = segmented_attention(q, ctx.self_segments(li, k, v), ctx.recorder)  # [B, h, n, D]
-        h = x + self.self_attn.out(o)  # [B, n, H]
+        h = x + self_attention(self, layer_input(self, x, emb), cos, sin, ctx, li)  # [B, n, H]
         return h + self.mlp(self.post_norm(h))
 
 
 class HiddenDrafter(TrainableDrafter):
+    layer_class = HiddenLayer
+
     def __init__(self, cfg: DrafterConfig, target, d2t: Tensor):
         super().__init__(cfg, target, d2t)
         H = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.hidden_layers) * H, H, bias=False)
-        self.layers = nn.ModuleList(HiddenLayer(cfg, first=i == 0) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, first=i == 0) for i in range(cfg.n_layers))
 
     def fuse(self, hidden: Tensor) -> Tensor:
         return self.fc(hidden)  # [B, n, 3H] -> [B, n, H]

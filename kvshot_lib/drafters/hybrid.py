@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from .attention import MLP, Attention, RMSNorm, segmented_attention
-from .common import TrainableDrafter
 from .config import DrafterConfig
+from .hidden import HiddenDrafter, init_input, layer_input, self_attention
 from .kv import KVInjector
 
 
@@ -48,45 +48,27 @@ class GatedCorrection(nn.Module):
 class HybridLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig, first: bool):
         super().__init__()
-        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        H = cfg.hidden_size
         n_inj, D = cfg.n_injected_heads, cfg.target_head_dim
-        self.first = first
-        if first:
-            self.emb_norm = RMSNorm(H, eps)
-            self.feat_norm = RMSNorm(H, eps)
-        else:
-            self.input_norm = RMSNorm(H, eps)
-        in_dim = 2 * H if first else H
+        in_dim = init_input(self, cfg, first)
         self.self_attn = Attention(in_dim, H, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
         self.cross_attn = Attention(in_dim, H, n_inj * cfg.query_group, n_inj, D, own_kv=False)
         self.inject = KVInjector(cfg.kv_mode, n_inj, D)
         self.gate = GatedCorrection(in_dim, H)
-        self.post_norm = RMSNorm(H, eps)
+        self.post_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(H, cfg.intermediate_size)
 
     def forward(self, x: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, ctx, li: int) -> Tensor:
-        if self.first:
-            a = torch.cat([self.emb_norm(emb), self.feat_norm(x)], dim=-1)  # [B, n, 2H]
-        else:
-            a = self.input_norm(x)  # [B, n, H]
-        q = self.self_attn.query(a, cos, sin)  # [B, h, n, D]
-        k, v = self.self_attn.key_value(a, cos, sin)  # [B, kvH, n, D]
-        n = self.self_attn.out(segmented_attention(q, ctx.self_segments(li, k, v), ctx.recorder))  # [B, n, H]
+        a = layer_input(self, x, emb)  # [B, n, 2H] (layer 1) or [B, n, H]
+        n = self_attention(self, a, cos, sin, ctx, li)  # [B, n, H]
         qx = self.cross_attn.query(a, cos, sin)  # [B, hx, n, Dt]
         o = self.cross_attn.out(segmented_attention(qx, ctx.cross_segments(li), ctx.recorder))  # [B, n, H]
         h = x + self.gate(a, n, o)  # [B, n, H]
         return h + self.mlp(self.post_norm(h))
 
 
-class HybridDrafter(TrainableDrafter):
-    def __init__(self, cfg: DrafterConfig, target, d2t: Tensor):
-        super().__init__(cfg, target, d2t)
-        H = cfg.hidden_size
-        self.fc = nn.Linear(len(cfg.hidden_layers) * H, H, bias=False)
-        self.layers = nn.ModuleList(HybridLayer(cfg, first=i == 0) for i in range(cfg.n_layers))
-
-    def fuse(self, hidden: Tensor) -> Tensor:
-        return self.fc(hidden)  # [B, n, 3H] -> [B, n, H]
+class HybridDrafter(HiddenDrafter):
+    layer_class = HybridLayer
 
     def inject(self, keys: Tensor, values: Tensor, positions: Tensor) -> dict[int, tuple[Tensor, Tensor]]:
         cos, sin = self.rope(positions)
