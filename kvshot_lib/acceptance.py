@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from . import metrics
-from .data import chat_prompt_ids, load_mtbench, mtbench_messages
+from .data import answer_text, chat_prompt_ids, load_mtbench, mtbench_messages
 from .decoding import (
     DecodeConfig,
     GenerationResult,
@@ -50,6 +50,9 @@ class Reference:
     greedy_ids: list[int]
 
 
+LABELS = ("drafter", "paradigm", "regime", "mode", "temperature")
+
+
 @dataclass
 class AcceptanceRun:
     """All generations of one drafter in one mode at one temperature."""
@@ -61,10 +64,13 @@ class AcceptanceRun:
     temperature: float
     results: list[GenerationResult] = field(default_factory=list)
 
+    def labels(self) -> dict:
+        """The columns that name this run in the result tables."""
+        return {name: getattr(self, name) for name in LABELS}
 
-def _answer_text(tokenizer, ids: list[int], stops: set[int]) -> str:
-    cut = next((i for i, t in enumerate(ids) if t in stops), len(ids))
-    return tokenizer.decode(ids[:cut], skip_special_tokens=True)
+    def step_counts(self) -> tuple[list[int], list[int]]:
+        """Attempts and acceptances per draft step, summed over every generation."""
+        return metrics.sum_step_counts((r.step_attempts, r.step_accepts) for r in self.results)
 
 
 def greedy_references(
@@ -80,7 +86,7 @@ def greedy_references(
             prompt = chat_prompt_ids(target.tokenizer, mtbench_messages(q, turn, first))
             ids = autoregressive_generate(target, prompt, cfg).token_ids
             refs.append(Reference(q.question_id, turn, prompt, ids))
-            first = _answer_text(target.tokenizer, ids, stops)
+            first = answer_text(target.tokenizer, ids, stops)
     return refs
 
 
@@ -228,33 +234,20 @@ def run_engine(
                     seeded = dataclasses.replace(cfg, seed=cfg.seed * 1_000_003 + 2 * i + turn)
                     out = speculative_generate(target, drafter, prompt, seeded)
                     run.results.append(out)
-                    first = _answer_text(target.tokenizer, out.token_ids, stops)
+                    first = answer_text(target.tokenizer, out.token_ids, stops)
             runs.append(run)
     return runs
 
 
 def acceptance_table(runs: list[AcceptanceRun], max_steps: int | None = None) -> pd.DataFrame:
     """One row per drafter x mode x temperature x step: alpha_conditional, p_reach, n_attempts, n_accepts."""
-    rows = []
-    for run in runs:
-        attempts, accepts = metrics.sum_step_counts((r.step_attempts, r.step_accepts) for r in run.results)
-        for rec in metrics.acceptance_by_step(attempts, accepts, max_steps):
-            rows.append(
-                dict(
-                    drafter=run.drafter,
-                    paradigm=run.paradigm,
-                    regime=run.regime,
-                    mode=run.mode,
-                    temperature=run.temperature,
-                    **rec,
-                )
-            )
+    rows = [
+        {**run.labels(), **rec}
+        for run in runs
+        for rec in metrics.acceptance_by_step(*run.step_counts(), max_steps)
+    ]
     columns = [
-        "drafter",
-        "paradigm",
-        "regime",
-        "mode",
-        "temperature",
+        *LABELS,
         "step",
         "alpha_conditional",
         "p_reach",
@@ -268,16 +261,11 @@ def acceptance_summary(runs: list[AcceptanceRun]) -> pd.DataFrame:
     """One row per drafter x mode x temperature: MAT, alpha_0, alpha_6, retention, cycles, tokens."""
     rows = []
     for run in runs:
-        attempts, accepts = metrics.sum_step_counts((r.step_attempts, r.step_accepts) for r in run.results)
-        alpha = metrics.alpha_conditional(attempts, accepts)
+        alpha = metrics.alpha_conditional(*run.step_counts())
         per_cycle = [a for r in run.results for a in r.accepted_per_cycle]
         rows.append(
             dict(
-                drafter=run.drafter,
-                paradigm=run.paradigm,
-                regime=run.regime,
-                mode=run.mode,
-                temperature=run.temperature,
+                **run.labels(),
                 mat=metrics.mean_accepted_tokens(per_cycle),
                 alpha_0=alpha[0] if alpha else float("nan"),
                 alpha_6=alpha[6] if len(alpha) > 6 else float("nan"),

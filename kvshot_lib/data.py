@@ -325,6 +325,12 @@ def mtbench_messages(question: MTBenchQuestion, turn: int = 0, first_answer: str
     ]
 
 
+def answer_text(tokenizer, ids: list[int], stops) -> str:
+    """The text of a generated answer up to its first stop token: what a second MT-bench turn is shown."""
+    cut = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+    return tokenizer.decode(ids[:cut], skip_special_tokens=True)
+
+
 def conversation_table(split: TokenizedSplit):
     """One row per conversation: source id, tokens, assistant tokens and number of responses."""
     import pandas as pd

@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import metrics
-from .data import chat_prompt_ids, load_mtbench, mtbench_messages
+from .data import answer_text, chat_prompt_ids, load_mtbench, mtbench_messages
 from .decoding import DecodeConfig, GenerationResult, generate
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup")
@@ -85,10 +85,7 @@ def run_mtbench_benchmark(
     if turns == 2:
         stops = set(target.info.eos_token_ids)
         ar = next(m for m in plan if m.method == "ar")
-        answers = [
-            tok.decode([t for t in r.token_ids if t not in stops], skip_special_tokens=True)
-            for r in ar.results
-        ]
+        answers = [answer_text(tok, r.token_ids, stops) for r in ar.results]
         second = [chat_prompt_ids(tok, mtbench_messages(q, 1, a)) for q, a in zip(questions, answers)]
         plan = run_benchmark(target, drafters, second, plan=plan, **kwargs)
     return plan
