@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from kvshot_lib import data, features
-from kvshot_lib.targets import load_target
+from kvshot_lib import corpus
+from kvshot_lib.target import load_target
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     tgt = load_target(args.target, device="cpu", dtype="float32")
-    split = data.tokenize_sharegpt(tgt.tokenizer, "train", args.conversations, args.max_len, seed=0)
+    split = corpus.tokenize_sharegpt(tgt.tokenizer, "train", args.conversations, args.max_len, seed=0)
     with torch.inference_mode():  # raw prefill: the same sequences, no capture, no writes
         tgt.model.model(split.ids[0][None])  # warm-up
         t0 = time.perf_counter()
@@ -41,7 +41,7 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="kvshot-bench-"))
     try:
         t0 = time.perf_counter()
-        store = features.extract_features(tgt, split, out_dir=out)
+        store = corpus.extract_features(tgt, split, out_dir=out)
         extract_s = time.perf_counter() - t0
         summary = store.summary()
     finally:

@@ -24,11 +24,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from kvshot_lib import speedup
-from kvshot_lib.baseline_drafters import drafters_for_run
-from kvshot_lib.decoding import DecodeConfig, autoregressive_generate
-from kvshot_lib.linear_kernels import small_batch_linear
-from kvshot_lib.targets import load_target
+from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, small_batch_linear
+from kvshot_lib.drafters import drafters_for_run
+from kvshot_lib.evaluation import speedup
+from kvshot_lib.target import load_target
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

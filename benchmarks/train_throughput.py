@@ -16,13 +16,17 @@ from pathlib import Path
 
 import torch
 
-from kvshot_lib import data
+from kvshot_lib import corpus
 from kvshot_lib.drafters import build_drafter, drafter_config_for
-from kvshot_lib.targets import load_target
-from kvshot_lib.train_config import TrainConfig
-from kvshot_lib.train_data import collate, target_sequence
-from kvshot_lib.train_losses import sample_branches
-from kvshot_lib.training import Objective, _optimizer
+from kvshot_lib.target import load_target
+from kvshot_lib.training import (
+    Objective,
+    TrainConfig,
+    build_optimizer,
+    collate,
+    sample_branches,
+    target_sequence,
+)
 
 COMBOS = [(p, r) for p in ("hidden", "kv", "hybrid") for r in ("tf", "ttt", "block")]
 
@@ -44,7 +48,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     tgt = load_target(args.target, device="cpu", dtype="float32")
-    split = data.tokenize_sharegpt(
+    split = corpus.tokenize_sharegpt(
         tgt.tokenizer, "train", args.batch_size * (args.steps + 1), args.max_len, seed=0
     )
     rows = []
@@ -60,7 +64,7 @@ def main() -> None:
             tgt, paradigm, draft_vocab_size=args.draft_vocab_size, query_group=args.query_group
         )
         drafter = build_drafter(dcfg, tgt, torch.arange(args.draft_vocab_size), seed=0)
-        objective, optimizer = Objective(drafter, cfg), _optimizer(drafter, cfg)
+        objective, optimizer = Objective(drafter, cfg), build_optimizer(drafter, cfg)
         seqs = [target_sequence(tgt, ids, mask, dcfg) for ids, mask in zip(split.ids, split.loss_mask)]
         batches = [collate(seqs[i : i + args.batch_size], dcfg) for i in range(0, len(seqs), args.batch_size)]
         seconds, tokens = 0.0, 0

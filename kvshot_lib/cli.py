@@ -6,7 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import generate_cli, runner, train_cli
+from . import runner
+from .decoding import cli as generate_cli
+from .evaluation import cli as bench_cli
+from .plots import figures
+from .training import cli as train_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,8 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     runner.add_cli(sub)  # kvshot run
-    generate_cli.add_cli(sub)  # kvshot generate, kvshot bench
+    figures.add_cli(sub)  # kvshot figures
     train_cli.add_cli(sub)  # kvshot train
+    generate_cli.add_cli(sub)  # kvshot generate
+    bench_cli.add_cli(sub)  # kvshot bench
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

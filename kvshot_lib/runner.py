@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from .assets import REPO_ROOT
+from .target.assets import REPO_ROOT
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from kvshot_lib.targets import load_target, smollm2_tokenizer
+from kvshot_lib.target import load_target, smollm2_tokenizer
 
 TEST_DEVICE = os.environ.get("KVSHOT_TEST_DEVICE", "cpu")
 

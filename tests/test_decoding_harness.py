@@ -7,11 +7,16 @@ import pytest
 import torch
 from conftest import random_prompts
 
-from kvshot_lib import acceptance, cli, speedup
-from kvshot_lib.acceptance import Reference, replay_greedy
-from kvshot_lib.baseline_drafters import SelfDrafter, drafters_for_run, resolve_drafter
+from kvshot_lib import cli
 from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, speculative_generate
-from kvshot_lib.drafters import build_drafter, drafter_config_for
+from kvshot_lib.drafters import (
+    SelfDrafter,
+    build_drafter,
+    drafter_config_for,
+    drafters_for_run,
+    resolve_drafter,
+)
+from kvshot_lib.evaluation import Reference, acceptance, replay_greedy, speedup
 
 
 def _counts(r):
@@ -118,9 +123,9 @@ def test_speed_benchmark_table_and_hf_generate_agree_with_our_greedy_loop(llama)
 
 
 def test_kvshot_generate_json_matches_hf_generate(llama, capsys, monkeypatch):
-    import kvshot_lib.generate_cli as gen_cli
+    import kvshot_lib.decoding.cli as gen_cli
 
-    monkeypatch.setattr(gen_cli, "_load", lambda args: llama)  # the spread test target
+    monkeypatch.setattr(gen_cli, "load_cli_target", lambda args: llama)  # the spread test target
     cli.main(
         [
             "generate",
@@ -139,7 +144,7 @@ def test_kvshot_generate_json_matches_hf_generate(llama, capsys, monkeypatch):
     )
     out = json.loads(capsys.readouterr().out)
     assert set(out) >= {"token_ids", "text", "accepted_per_cycle", "tokens_per_s"}
-    from kvshot_lib.data import chat_prompt_ids, load_mtbench, mtbench_messages
+    from kvshot_lib.corpus import chat_prompt_ids, load_mtbench, mtbench_messages
 
     prompt = chat_prompt_ids(llama.tokenizer, mtbench_messages(load_mtbench(5)[-1]))
     hf = speedup.hf_generate(llama, prompt, DecodeConfig(max_new_tokens=10))
@@ -158,9 +163,11 @@ def test_kvshot_generate_json_matches_hf_generate(llama, capsys, monkeypatch):
     ],
 )
 def test_cli_rejects_bad_arguments_before_loading_anything(argv, message, monkeypatch):
-    import kvshot_lib.generate_cli as gen_cli
+    import kvshot_lib.decoding.cli as gen_cli
 
-    monkeypatch.setattr(gen_cli, "_load", lambda args: pytest.fail("loaded a model for bad arguments"))
+    monkeypatch.setattr(
+        gen_cli, "load_cli_target", lambda args: pytest.fail("loaded a model for bad arguments")
+    )
     if "--mt-bench" not in argv:
         argv = [*argv, "--prompt", "hi"]
     with pytest.raises(SystemExit, match=message):

@@ -13,10 +13,8 @@ import torch
 from conftest import random_prompts
 from scipy.stats import chisquare
 
-from kvshot_lib.baseline_drafters import SelfDrafter
-from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, speculative_generate
-from kvshot_lib.drafters import build_drafter, drafter_config_for
-from kvshot_lib.sampling import logits_to_probs
+from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, logits_to_probs, speculative_generate
+from kvshot_lib.drafters import SelfDrafter, build_drafter, drafter_config_for
 
 N_RUNS = 300
 STRICT = 1e-4
@@ -149,9 +147,7 @@ def test_greedy_equality_with_real_drafter_classes(llama, paradigm):
 def test_rejection_rule_with_a_reduced_draft_vocabulary():
     """Drafts over a draft vocabulary mapped to target ids by d2t: q lives on 4 of 10 target tokens, and p
     puts mass outside them; the engine's chain verification still emits exactly p."""
-    from kvshot_lib.decoding import GenerationResult, verify_sampled_chain
-    from kvshot_lib.draft_tree import DraftTree
-    from kvshot_lib.sampling import sample
+    from kvshot_lib.decoding import DraftTree, GenerationResult, sample, verify_sampled_chain
 
     g = torch.Generator().manual_seed(5)
     p = torch.tensor([0.05, 0.2, 0.0, 0.15, 0.1, 0.05, 0.05, 0.3, 0.05, 0.05])  # [V=10]

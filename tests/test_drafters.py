@@ -18,9 +18,8 @@ from kvshot_lib.drafters import (
     vocab_hash,
 )
 from kvshot_lib.drafters.vocab import coverage
-from kvshot_lib.grad_probes import grouped_parameters
-from kvshot_lib.targets import load_target
-from kvshot_lib.train_data import batch_from_target
+from kvshot_lib.target import load_target
+from kvshot_lib.training import batch_from_target, grouped_parameters
 
 VARIANTS = [
     ("hidden", "concat", 1),

@@ -6,7 +6,7 @@ import torch
 from kvshot_lib.drafters import TargetView, build_drafter, drafter_config_for
 from kvshot_lib.drafters.base import DraftSession
 from kvshot_lib.drafters.session import TrainedDraftSession
-from kvshot_lib.train_data import batch_from_target
+from kvshot_lib.training import batch_from_target
 
 VARIANTS = [("hidden", "concat", 2), ("kv", "concat", 1), ("kv", "linear_rope", 2), ("hybrid", "linear", 2)]
 ATOL = 2e-5

@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 
-from kvshot_lib import data, features
-from kvshot_lib.features import FeatureStore, FeatureStoreMismatch, extract_features
+from kvshot_lib import corpus
+from kvshot_lib.corpus import FeatureStore, FeatureStoreMismatch, extract_features, features
 
 
 @pytest.fixture(scope="module")
 def split(tokenizer):
-    return data.tokenize_sharegpt(tokenizer, "train", 6, max_len=96, seed=0)
+    return corpus.tokenize_sharegpt(tokenizer, "train", 6, max_len=96, seed=0)
 
 
 def test_store_holds_what_the_target_computes(tiny_llama, split, tmp_path):

@@ -6,11 +6,19 @@ import pytest
 import torch
 
 from kvshot_lib.drafters import build_drafter, drafter_config_for
-from kvshot_lib.grad_probes import GradProbe, grad_stats, grouped_parameters, param_group, spearman
-from kvshot_lib.train_config import TrainConfig
-from kvshot_lib.train_data import batch_from_target
-from kvshot_lib.train_losses import branch_valid, step_mask
-from kvshot_lib.training import Objective, _optimizer
+from kvshot_lib.training import (
+    GradProbe,
+    Objective,
+    TrainConfig,
+    batch_from_target,
+    branch_valid,
+    build_optimizer,
+    grad_stats,
+    grouped_parameters,
+    param_group,
+    spearman,
+    step_mask,
+)
 
 
 def test_grad_stats_on_known_tensors():
@@ -100,7 +108,7 @@ def test_ttt_probe_covers_every_step_and_position_sampling(tiny_llama):
 def _train(target, batch, cfg, steps=8):
     dcfg = drafter_config_for(target, cfg.paradigm, draft_vocab_size=512)
     d = build_drafter(dcfg, target, torch.arange(512), seed=0)
-    obj, opt = Objective(d, cfg), _optimizer(d, cfg)
+    obj, opt = Objective(d, cfg), build_optimizer(d, cfg)
     for _ in range(steps):
         loss, _ = obj(batch)
         loss.backward()

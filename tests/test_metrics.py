@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from kvshot_lib import metrics
+from kvshot_lib.evaluation import metrics
 
 
 def test_alpha_is_conditional_and_reach_is_the_running_product():

@@ -5,7 +5,7 @@ import re
 import tomllib
 import yaml
 
-from kvshot_lib.assets import REPO_ROOT
+from kvshot_lib.target import REPO_ROOT
 
 
 def _norm(req: str) -> str:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from kvshot_lib.sampling import check_sampling_args, logits_to_probs, rejection_sample, residual_probs, sample
+from kvshot_lib.decoding import check_sampling_args, logits_to_probs, rejection_sample, residual_probs, sample
 
 N = 200_000
 STRICT = 1e-4

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from kvshot_lib import assets
-from kvshot_lib.targets import TargetLoadError, load_target
+from kvshot_lib.target import TargetLoadError, assets, load_target
 
 
 def test_tiny_targets_are_seeded_and_described(tiny_llama):

@@ -3,15 +3,19 @@
 import pytest
 import torch
 
-from kvshot_lib import train_data
-from kvshot_lib.data import tokenize_sharegpt
+from kvshot_lib.corpus import extract_features, tokenize_sharegpt
 from kvshot_lib.drafters import TargetView, build_drafter, drafter_config_for, load_drafter
-from kvshot_lib.features import extract_features
-from kvshot_lib.targets import load_target
-from kvshot_lib.train_config import TrainConfig, TrainConfigError
-from kvshot_lib.train_data import batch_from_target
-from kvshot_lib.train_eval import EvalSet, evaluate_per_step
-from kvshot_lib.training import Objective, train_drafter
+from kvshot_lib.target import load_target
+from kvshot_lib.training import (
+    EvalSet,
+    Objective,
+    StoreBatches,
+    TrainConfig,
+    TrainConfigError,
+    batch_from_target,
+    evaluate_per_step,
+    train_drafter,
+)
 
 
 @pytest.fixture(scope="module")
@@ -136,27 +140,27 @@ PARAMS = dict(
 def test_resume_is_exact_and_finished_runs_return_from_disk(tiny_llama, stores, tmp_path, monkeypatch):
     train, held = stores
     full = train_drafter(tiny_llama, train, held, PARAMS, tmp_path / "full", progress=False)
-    real_batch = train_data.StoreBatches.batch
+    real_batch = StoreBatches.batch
 
     def interrupted(self, step):
         if step == 4:
             raise KeyboardInterrupt
         return real_batch(self, step)
 
-    monkeypatch.setattr(train_data.StoreBatches, "batch", interrupted)
+    monkeypatch.setattr(StoreBatches, "batch", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train_drafter(tiny_llama, train, held, PARAMS, tmp_path / "cut", progress=False)
     assert (tmp_path / "cut" / "state" / "trainer.json").is_file() and not (
         tmp_path / "cut" / "config.json"
     ).exists()
-    monkeypatch.setattr(train_data.StoreBatches, "batch", real_batch)
+    monkeypatch.setattr(StoreBatches, "batch", real_batch)
     resumed = train_drafter(tiny_llama, train, held, PARAMS, tmp_path / "cut", progress=False)
     a, b = full.drafter.state_dict(), resumed.drafter.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["loss"] for r in full.logs["history"]] == [r["loss"] for r in resumed.logs["history"]]
     assert not (tmp_path / "cut" / "state").exists()
     # a finished run is returned from disk without training
-    monkeypatch.setattr(train_data.StoreBatches, "batch", interrupted)
+    monkeypatch.setattr(StoreBatches, "batch", interrupted)
     again = train_drafter(tiny_llama, train, held, PARAMS, tmp_path / "full", progress=False)
     assert torch.equal(again.drafter.state_dict()["fc.weight"], a["fc.weight"])
     assert len(again.table("grad_probes")) == len(full.table("grad_probes")) > 0

@@ -1,10 +1,24 @@
-"""Drafters: the decode-time contract (``base``) and the three trainable paradigms.
+"""The drafters stage: the decode-time contract (``base``), the three trainable paradigms, and the baselines.
 
 * :func:`load_drafter` (checkpoint folder, target) -> a drafter that is also a ``SessionFactory``;
-* :func:`build_drafter` / :func:`drafter_config_for` make a fresh one; :func:`save_drafter` writes one.
+* :func:`build_drafter` / :func:`drafter_config_for` make a fresh one; :func:`save_drafter` writes one;
+* :mod:`.baselines`: drafters that need no training (n-gram prompt lookup, the target itself, early exit,
+  random), and :func:`resolve_drafter` / :func:`drafters_for_run` that turn names and folders into drafters.
+
+It hands drafter modules to training and drafter sessions (``start_cycle`` / ``expand``) to decoding.
 """
 
 from .base import DraftSession, SessionFactory, TargetView
+from .baselines import (
+    BASELINES,
+    EarlyExitDrafter,
+    NgramDrafter,
+    RandomDrafter,
+    SelfDrafter,
+    drafters_for_run,
+    is_baseline_name,
+    resolve_drafter,
+)
 from .checkpoint import build_drafter, load_drafter, read_config, save_drafter
 from .config import (
     KV_MODES,
@@ -15,9 +29,21 @@ from .config import (
     DrafterTargetMismatch,
     drafter_config_for,
 )
-from .vocab import count_tokens, draft_vocab_from_counts, target_to_draft, vocab_hash
+from .tree_mask import ancestor_matrix, tree_attention_mask
+from .vocab import count_tokens, coverage, draft_vocab_from_counts, target_to_draft, vocab_hash
 
 __all__ = [
+    "BASELINES",
+    "EarlyExitDrafter",
+    "NgramDrafter",
+    "RandomDrafter",
+    "SelfDrafter",
+    "ancestor_matrix",
+    "coverage",
+    "drafters_for_run",
+    "is_baseline_name",
+    "resolve_drafter",
+    "tree_attention_mask",
     "KV_MODES",
     "PARADIGMS",
     "REGIMES",

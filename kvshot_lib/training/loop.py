@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -29,15 +30,15 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .drafters import build_drafter, drafter_config_for, load_drafter
-from .drafters.checkpoint import CONFIG_FILE, save_drafter
-from .drafters.vocab import count_tokens, draft_vocab_from_counts
+from ..drafters import build_drafter, drafter_config_for, load_drafter
+from ..drafters.checkpoint import CONFIG_FILE, save_drafter
+from ..drafters.vocab import count_tokens, draft_vocab_from_counts
+from .batches import StoreBatches
+from .config import TrainConfig
 from .grad_probes import GradProbe, grouped_parameters
-from .train_config import TrainConfig
-from .train_data import StoreBatches
-from .train_eval import EvalSet, evaluate_per_step, gate_summary
-from .train_losses import branch_valid, regime_loss, sample_branches
-from .train_state import STATE_DIR, load_train_state, read_train_state, save_train_state
+from .heldout import EvalSet, evaluate_per_step, gate_summary
+from .losses import branch_valid, regime_loss, sample_branches
+from .state import STATE_DIR, load_train_state, read_train_state, save_train_state
 
 LOG_TABLES = ("history", "eval", "grad_probes", "kv_positions", "attention_mass", "kv_position_samples")
 
@@ -99,7 +100,7 @@ def _lr_lambda(cfg: TrainConfig):
     return f
 
 
-def _optimizer(drafter: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(drafter: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     groups = []
     for group, params in sorted(grouped_parameters(drafter).items()):
         lr = cfg.lr * cfg.lr_scale.get(group, 1.0)
@@ -151,6 +152,60 @@ def train_drafter(
         drafter = load_drafter(out, target)
         extra = drafter.cfg.extra
         return TrainResult(drafter, out, cfg, read_logs(out), extra.get("train_seconds", 0.0))
+    drafter = _new_drafter(target, train_store, eval_store, cfg, d2t)
+    acc = accelerator or make_accelerator(cfg, target.info.device)
+    optimizer = build_optimizer(drafter, cfg)
+    start, logs, seconds = _resume_point(out, cfg, drafter, optimizer, resume)
+    for group in optimizer.param_groups:
+        group.setdefault("base_lr", group["lr"])
+    objective, optimizer = acc.prepare(Objective(drafter, cfg), optimizer)
+    loader = StoreBatches(
+        train_store,
+        drafter.cfg,
+        cfg.batch_size,
+        cfg.seed,
+        acc.process_index,
+        acc.num_processes,
+        cfg.max_tokens,
+    )
+    evals = eval_set or EvalSet.build(
+        eval_store, drafter.cfg, target, cfg.eval_sequences, cfg.batch_size, cfg.max_tokens
+    )
+    bar = tqdm(
+        total=cfg.train_steps,
+        initial=start,
+        desc=f"training {cfg.name}",
+        disable=not (progress and acc.is_main_process),
+    )
+    t_start = time.perf_counter() - seconds
+    for step in range(start, cfg.train_steps):
+        batch = loader.batch(step).to(acc.device)
+        row, acc0 = _train_step(drafter, objective, optimizer, acc, cfg, batch, step, logs, t_start)
+        row["epoch"] = loader.epoch_of(step + 1)
+        logs["history"].append(row)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc0:.2f}")
+        bar.update()
+        last = step == cfg.train_steps - 1
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last or step == 0):
+            drafter.eval()
+            ev = evaluate_per_step(drafter, evals, cfg.eval_steps, acc, cfg.eval_branch_fraction)
+            ev.update(step=step + 1, seconds=time.perf_counter() - t_start, **gate_summary(drafter))
+            logs["eval"].append(ev)
+        if acc.is_main_process and cfg.save_every and (step + 1) % cfg.save_every == 0 and not last:
+            seconds = time.perf_counter() - t_start
+            save_train_state(out, drafter, optimizer, step + 1, cfg.as_dict(), {**logs, "_seconds": seconds})
+        acc.wait_for_everyone()
+    bar.close()
+    seconds = time.perf_counter() - t_start
+    drafter.eval()
+    if acc.is_main_process:
+        _save_finished(out, acc.unwrap_model(objective).drafter, cfg, logs, seconds, train_store, eval_store)
+    acc.wait_for_everyone()
+    return TrainResult(drafter, out, cfg, logs, seconds)
+
+
+def _new_drafter(target, train_store, eval_store, cfg: TrainConfig, d2t: torch.Tensor | None) -> nn.Module:
+    """A freshly initialized drafter for ``cfg``, after checking that both feature stores fit it."""
     info = target.info
     dcfg = drafter_config_for(
         target,
@@ -170,126 +225,83 @@ def train_drafter(
         except ValueError as e:
             raise ValueError(f"The {what} feature store does not fit drafter {cfg.name!r}: {e}") from None
     d2t = build_draft_vocab(train_store, target, dcfg.draft_vocab_size) if d2t is None else d2t
-    drafter = build_drafter(dcfg, target, d2t.cpu(), seed=cfg.seed)
-    acc = accelerator or make_accelerator(cfg, info.device)
-    optimizer = _optimizer(drafter, cfg)
-    start, logs, seconds = 0, {name: [] for name in LOG_TABLES}, 0.0
-    meta = read_train_state(out) if resume else None
-    if meta is not None and meta["config"] == cfg.as_dict():
-        meta = load_train_state(out, drafter, optimizer)
-        start, logs, seconds = meta["step"], meta["logs"], meta["logs"].get("_seconds", 0.0)
-    logs.pop("_seconds", None)
-    schedule = _lr_lambda(cfg)
-    for group in optimizer.param_groups:
-        group.setdefault("base_lr", group["lr"])
-    objective, optimizer = acc.prepare(Objective(drafter, cfg), optimizer)
-    dev = acc.device
-    loader = StoreBatches(
-        train_store, dcfg, cfg.batch_size, cfg.seed, acc.process_index, acc.num_processes, cfg.max_tokens
-    )
-    evals = eval_set or EvalSet.build(
-        eval_store, dcfg, target, cfg.eval_sequences, cfg.batch_size, cfg.max_tokens
-    )
-    base = dict(drafter=cfg.name, paradigm=cfg.paradigm, regime=cfg.regime)
-    bar = tqdm(
-        total=cfg.train_steps,
-        initial=start,
-        desc=f"training {cfg.name}",
-        disable=not (progress and acc.is_main_process),
-    )
-    t_start = time.perf_counter() - seconds
-    for step in range(start, cfg.train_steps):
-        batch = loader.batch(step).to(dev)
-        last = step == cfg.train_steps - 1
-        probing = cfg.probe_every > 0 and (step % cfg.probe_every == 0 or last)
-        branches = sample_branches(
-            batch.ids.shape[1] - 1, cfg.branch_fraction, seed=cfg.seed * 1_000_003 + step
-        )
-        branches = None if branches is None else branches.to(dev)
-        probe = (
-            GradProbe(
-                drafter,
-                branch_valid(batch),
-                cfg.probe_rel_threshold,
-                cfg.probe_samples if last else 0,
-                branches,
-            )
-            if probing
-            else None
-        )
-        drafter.train()
-        with probe or nullcontext():
-            with acc.autocast():
-                loss, parts = objective(batch, probe, branches)
-            acc.backward(loss)
-        if probe is not None:
-            _log_probe(logs, probe, step, base)
-        for group in optimizer.param_groups:  # the "50x" remedy: scale one group's gradient
-            factor = cfg.grad_scale.get(group["name"], 1.0)
-            if factor != 1.0:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(factor)
-        grad_norm = (
-            acc.clip_grad_norm_(drafter.parameters(), cfg.grad_clip) if cfg.grad_clip else torch.tensor(0.0)
-        )
-        for group in optimizer.param_groups:  # warmup + cosine, a function of the step (exact on resume)
-            group["lr"] = group["base_lr"] * schedule(step)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        tokens = int(batch.lengths.sum()) * acc.num_processes
-        row = dict(
-            step=step + 1,
-            loss=float(loss.detach()),
-            lr=cfg.lr * schedule(step),
-            grad_norm=float(grad_norm),
-            tokens=tokens,
-            seconds=time.perf_counter() - t_start,
-            epoch=loader.epoch_of(step + 1),
-        )
-        row.update({f"ce_{k}": v for k, v in enumerate(parts["ce"])})
-        row.update({f"acc_{k}": v for k, v in enumerate(parts["acc"])})
-        row.update({k: parts[k] for k in ("feature", "kv_align") if k in parts})
-        logs["history"].append(row)
-        bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{parts['acc'][0]:.2f}")
-        bar.update()
-        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last or step == 0):
-            drafter.eval()
-            ev = evaluate_per_step(drafter, evals, cfg.eval_steps, acc, cfg.eval_branch_fraction)
-            ev.update(step=step + 1, seconds=time.perf_counter() - t_start, **gate_summary(drafter))
-            logs["eval"].append(ev)
-        if acc.is_main_process and cfg.save_every and (step + 1) % cfg.save_every == 0 and not last:
-            save_train_state(
-                out,
-                drafter,
-                optimizer,
-                step + 1,
-                cfg.as_dict(),
-                {**logs, "_seconds": time.perf_counter() - t_start},
-            )
-        acc.wait_for_everyone()
-    bar.close()
-    seconds = time.perf_counter() - t_start
-    drafter.eval()
-    if acc.is_main_process:
-        n_tokens = sum(r["tokens"] for r in logs["history"])
-        drafter.cfg.extra = dict(
-            train_config=cfg.as_dict(),
-            completed=True,
-            train_seconds=seconds,
-            train_tokens=n_tokens,
-            tokens_per_second=n_tokens / max(seconds, 1e-9),
-            train_store=str(train_store.path),
-            eval_store=str(eval_store.path),
-            final_eval=logs["eval"][-1] if logs["eval"] else {},
-        )
-        save_drafter(acc.unwrap_model(objective).drafter, out)
-        _write_logs(out, logs)
-        import shutil
+    return build_drafter(dcfg, target, d2t.cpu(), seed=cfg.seed)
 
-        shutil.rmtree(out / STATE_DIR, ignore_errors=True)
-    acc.wait_for_everyone()
-    return TrainResult(drafter, out, cfg, logs, seconds)
+
+def _resume_point(out: Path, cfg: TrainConfig, drafter, optimizer, resume: bool) -> tuple[int, dict, float]:
+    """(first step, logs so far, seconds so far): from the saved state of the same config, or a fresh start."""
+    meta = read_train_state(out) if resume else None
+    if meta is None or meta["config"] != cfg.as_dict():
+        return 0, {name: [] for name in LOG_TABLES}, 0.0
+    meta = load_train_state(out, drafter, optimizer)  # restores the drafter and optimizer in place
+    logs = meta["logs"]
+    return meta["step"], logs, logs.pop("_seconds", 0.0)
+
+
+def _train_step(
+    drafter, objective, optimizer, acc, cfg: TrainConfig, batch, step: int, logs: dict, t_start: float
+):
+    """One optimizer step (with the gradient probe on probing steps); returns its history row and acc_0."""
+    base = dict(drafter=cfg.name, paradigm=cfg.paradigm, regime=cfg.regime)
+    last = step == cfg.train_steps - 1
+    probing = cfg.probe_every > 0 and (step % cfg.probe_every == 0 or last)
+    branches = sample_branches(batch.ids.shape[1] - 1, cfg.branch_fraction, seed=cfg.seed * 1_000_003 + step)
+    branches = None if branches is None else branches.to(acc.device)
+    probe = None
+    if probing:
+        samples = cfg.probe_samples if last else 0
+        probe = GradProbe(drafter, branch_valid(batch), cfg.probe_rel_threshold, samples, branches)
+    drafter.train()
+    with probe or nullcontext():
+        with acc.autocast():
+            loss, parts = objective(batch, probe, branches)
+        acc.backward(loss)
+    if probe is not None:
+        _log_probe(logs, probe, step, base)
+    for group in optimizer.param_groups:  # the "50x" remedy: scale one group's gradient
+        factor = cfg.grad_scale.get(group["name"], 1.0)
+        if factor != 1.0:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+    clip = cfg.grad_clip
+    grad_norm = acc.clip_grad_norm_(drafter.parameters(), clip) if clip else torch.tensor(0.0)
+    schedule = _lr_lambda(cfg)
+    for group in optimizer.param_groups:  # warmup + cosine, a function of the step (exact on resume)
+        group["lr"] = group["base_lr"] * schedule(step)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    row = dict(
+        step=step + 1,
+        loss=float(loss.detach()),
+        lr=cfg.lr * schedule(step),
+        grad_norm=float(grad_norm),
+        tokens=int(batch.lengths.sum()) * acc.num_processes,
+        seconds=time.perf_counter() - t_start,
+        epoch=None,  # filled in by the loop, which knows the data position
+    )
+    row.update({f"ce_{k}": v for k, v in enumerate(parts["ce"])})
+    row.update({f"acc_{k}": v for k, v in enumerate(parts["acc"])})
+    row.update({k: parts[k] for k in ("feature", "kv_align") if k in parts})
+    return row, parts["acc"][0]
+
+
+def _save_finished(out: Path, drafter, cfg: TrainConfig, logs: dict, seconds: float, train_store, eval_store):
+    """Write the checkpoint (with the training metadata in its config) and the log tables; drop the state."""
+    n_tokens = sum(r["tokens"] for r in logs["history"])
+    drafter.cfg.extra = dict(
+        train_config=cfg.as_dict(),
+        completed=True,
+        train_seconds=seconds,
+        train_tokens=n_tokens,
+        tokens_per_second=n_tokens / max(seconds, 1e-9),
+        train_store=str(train_store.path),
+        eval_store=str(eval_store.path),
+        final_eval=logs["eval"][-1] if logs["eval"] else {},
+    )
+    save_drafter(drafter, out)
+    _write_logs(out, logs)
+    shutil.rmtree(out / STATE_DIR, ignore_errors=True)
 
 
 def _log_probe(logs: dict, probe: GradProbe, step: int, base: dict) -> None:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from .draft_tree import ancestor_matrix, tree_attention_mask
+from .tree_mask import ancestor_matrix, tree_attention_mask
 
 BASELINES = ("self", "ngram", "random")
 
@@ -268,12 +268,8 @@ def resolve_drafter(spec: str, target, seed: int = 0):
         raise ValueError(
             f"Drafter path {path} is a file; a trained drafter is a checkpoint folder (runs/<profile>/drafters/<name>/)."
         )
-    try:
-        from .drafters import load_drafter
-    except ImportError:
-        raise ValueError(
-            f"Cannot load {path}: kvshot_lib.drafters.load_drafter is not available in this checkout."
-        ) from None
+    from .checkpoint import load_drafter  # here: checkpoint -> the paradigms -> session
+
     return load_drafter(str(path), target)
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .capture import capture
-from .drafters.unroll import TrainBatch
+from ..drafters.unroll import TrainBatch
+from ..target import capture
 
 
 def store_fields(cfg) -> list[str]:

@@ -18,10 +18,10 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import assets
-from .drafters.unroll import TrainBatch, shifted
-from .train_data import collate, store_fields
-from .train_losses import at_rows, sample_branches, step_mask, target_probs
+from ..drafters.unroll import TrainBatch, shifted
+from ..target import assets
+from .batches import collate, store_fields
+from .losses import at_rows, sample_branches, step_mask, target_probs
 
 
 @dataclass

@@ -26,9 +26,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from . import metrics
-from .data import answer_text, chat_prompt_ids, load_mtbench, mtbench_messages
-from .decoding import (
+from ..corpus import answer_text, chat_prompt_ids, load_mtbench, mtbench_messages
+from ..decoding.engine import (
     DecodeConfig,
     GenerationResult,
     _commit,
@@ -36,8 +35,9 @@ from .decoding import (
     speculative_generate,
     walk_tree,
 )
-from .draft_tree import DraftTree, draft_chain, draft_dynamic_tree
-from .drafters.base import TargetView
+from ..decoding.tree import DraftTree, draft_chain, draft_dynamic_tree
+from ..drafters.base import TargetView
+from . import metrics
 
 
 @dataclass

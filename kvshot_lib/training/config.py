@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from .drafters.config import KV_MODES, PARADIGMS, REGIMES
+from ..drafters.config import KV_MODES, PARADIGMS, REGIMES
 from .grad_probes import GROUPS
 
 

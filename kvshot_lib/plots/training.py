@@ -1,7 +1,7 @@
 """Figures of drafter training (notebook 02) and of the K/V-gradient probes (notebook 05), one function each.
 
-Every function takes the tables that :mod:`kvshot_lib.training` writes (pandas DataFrames) and returns a
-matplotlib figure; save it with :func:`kvshot_lib.plots.save_figure`.
+Every function takes the tables that :mod:`kvshot_lib.training` writes (pandas DataFrames, as read back from
+the saved CSV files) and returns a matplotlib figure; :mod:`.figures` saves it.
 """
 
 from __future__ import annotations
@@ -9,23 +9,33 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+import seaborn as sns
 
-PARADIGM_COLORS = {"hidden": "#4C72B0", "kv": "#C44E52", "hybrid": "#55A868"}
-REGIME_STYLES = {"tf": ":", "ttt": "-", "block": "--"}
-GROUP_COLORS = {
-    "kv_proj": "#C44E52",
-    "q_proj": "#4C72B0",
-    "o_proj": "#8172B2",
-    "mlp": "#937860",
-    "fusion": "#55A868",
-    "gate": "#DD8452",
-    "kv_inject": "#DA8BC3",
-    "norm": "#8C8C8C",
+from .style import PAGE, REGIME_STYLES, drafter_color
+
+_GROUP_PALETTE = sns.color_palette("colorblind", 10)
+GROUP_COLORS = {  # parameter groups (notebook 05); the K/V projections in the KV paradigm's colour
+    "kv_proj": _GROUP_PALETTE[3],
+    "q_proj": _GROUP_PALETTE[0],
+    "o_proj": _GROUP_PALETTE[4],
+    "mlp": _GROUP_PALETTE[5],
+    "fusion": _GROUP_PALETTE[2],
+    "gate": _GROUP_PALETTE[1],
+    "kv_inject": _GROUP_PALETTE[6],
+    "norm": _GROUP_PALETTE[7],
 }
 
 
-def _style(paradigm: str, regime: str) -> dict:
-    return dict(color=PARADIGM_COLORS.get(paradigm, "k"), ls=REGIME_STYLES.get(regime, "-"))
+def _style(name: str, paradigm: str, regime: str) -> dict:
+    return dict(color=drafter_color(name, paradigm), ls=REGIME_STYLES.get(regime, "-"))
+
+
+def wilson_interval(p, n, z: float = 1.96):
+    """The 95% Wilson score interval of a proportion ``p`` measured on ``n`` trials (arrays)."""
+    p, n = np.asarray(p, float), np.maximum(np.asarray(n, float), 1)
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
 
 
 def _drafters(df: pd.DataFrame) -> list[tuple[str, str, str]]:
@@ -34,10 +44,10 @@ def _drafters(df: pd.DataFrame) -> list[tuple[str, str, str]]:
 
 def plot_training_curves(history: pd.DataFrame, smooth: int = 10):
     """Training loss and training step-0 agreement with the target, per drafter, against optimizer steps."""
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(PAGE, 2.6))
     for name, paradigm, regime in _drafters(history):
         h = history[history["drafter"] == name].sort_values("step")
-        kw = dict(**_style(paradigm, regime), label=name, lw=1.4)
+        kw = dict(**_style(name, paradigm, regime), label=name, lw=1.4)
         axes[0].plot(h["step"], h["loss"].rolling(smooth, min_periods=1).mean(), **kw)
         axes[1].plot(h["step"], h["acc_0"].rolling(smooth, min_periods=1).mean(), **kw)
     axes[0].set_yscale("log")
@@ -46,7 +56,7 @@ def plot_training_curves(history: pd.DataFrame, smooth: int = 10):
     for ax in axes:
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
-    axes[1].legend(frameon=False, fontsize=8)
+    axes[1].legend(frameon=False)
     fig.suptitle("Drafter training (color: paradigm, line: regime — dotted tf, solid TTT, dashed block)")
     fig.tight_layout()
     return fig
@@ -54,11 +64,14 @@ def plot_training_curves(history: pd.DataFrame, smooth: int = 10):
 
 def plot_per_step_accuracy(per_step: pd.DataFrame):
     """Held-out accuracy by draft step k (left) and retention acc_k / acc_0 (right), per drafter."""
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(PAGE, 2.7))
     for name, paradigm, regime in _drafters(per_step):
         d = per_step[per_step["drafter"] == name].sort_values("draft_step")
-        kw = dict(**_style(paradigm, regime), marker="o", ms=4, label=name)
+        kw = dict(**_style(name, paradigm, regime), marker="o", label=name)
         axes[0].plot(d["draft_step"], d["accuracy"], **kw)
+        if "n" in d:
+            lo, hi = wilson_interval(d["accuracy"], d["n"])
+            axes[0].fill_between(d["draft_step"], lo, hi, color=kw["color"], alpha=0.15, lw=0)
         axes[1].plot(d["draft_step"], d["accuracy"] / d["accuracy"].iloc[0], **kw)
     if "ceiling" in per_step and per_step["ceiling"].notna().any():
         axes[0].set_title(
@@ -70,7 +83,7 @@ def plot_per_step_accuracy(per_step: pd.DataFrame):
     for ax in axes:
         ax.set_xlabel("draft step k")
         ax.grid(alpha=0.3)
-    axes[0].legend(frameon=False, fontsize=8)
+    axes[0].legend(frameon=False)
     fig.suptitle("Long-range decay: per-step accuracy on held-out ShareGPT (teacher-forced prefix)")
     fig.tight_layout()
     return fig
@@ -79,16 +92,16 @@ def plot_per_step_accuracy(per_step: pd.DataFrame):
 def plot_heldout_over_training(evals: pd.DataFrame, steps: tuple[int, ...] = (0, 3, 6)):
     """Held-out accuracy at a few draft steps over the course of training, per drafter."""
     steps = [k for k in steps if f"acc_{k}" in evals]
-    fig, axes = plt.subplots(1, len(steps), figsize=(4.2 * len(steps), 3.8), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(steps), figsize=(PAGE, 2.4), sharey=True, squeeze=False)
     for ax, k in zip(axes[0], steps):
         for name, paradigm, regime in _drafters(evals):
             e = evals[evals["drafter"] == name].sort_values("step")
-            ax.plot(e["step"], e[f"acc_{k}"], **_style(paradigm, regime), marker=".", label=name)
+            ax.plot(e["step"], e[f"acc_{k}"], **_style(name, paradigm, regime), marker=".", label=name)
         ax.set_title(f"draft step {k}")
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("held-out accuracy")
-    axes[0][-1].legend(frameon=False, fontsize=8)
+    axes[0][-1].legend(frameon=False)
     fig.tight_layout()
     return fig
 
@@ -100,7 +113,11 @@ def plot_grad_group_stats(probes: pd.DataFrame, stats=("rms", "frac_small", "hoy
     )
     names = _drafters(probes)
     fig, axes = plt.subplots(
-        len(stats), len(names), figsize=(3.6 * len(names), 2.6 * len(stats)), sharex="col", squeeze=False
+        len(stats),
+        len(names),
+        figsize=(max(PAGE, 2.0 * len(names)), 1.6 * len(stats)),
+        sharex="col",
+        squeeze=False,
     )
     labels = {
         "rms": "gradient RMS per entry",
@@ -142,7 +159,7 @@ def plot_kv_vs_other_groups(probes: pd.DataFrame, stat: str = "rms"):
     """The K/V projections' gradient relative to the drafter's other groups (median over training), per drafter."""
     med = probes.groupby(["drafter", "group"])[stat].median().unstack("group")
     rel = med.div(med.drop(columns=["norm"], errors="ignore").median(axis=1), axis=0)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(rel), 4))
+    fig, ax = plt.subplots(figsize=(max(PAGE / 2, 1.2 + 0.9 * len(rel)), 2.8))
     groups = [g for g in GROUP_COLORS if g in rel.columns and g != "norm"]
     width = 0.8 / len(groups)
     x = np.arange(len(rel))
@@ -152,7 +169,7 @@ def plot_kv_vs_other_groups(probes: pd.DataFrame, stat: str = "rms"):
     ax.set_yscale("log")
     ax.axhline(1, color="k", lw=0.8)
     ax.set_ylabel(f"gradient {stat} / drafter's median group {stat}")
-    ax.legend(frameon=False, fontsize=8, ncol=2)
+    ax.legend(frameon=False, ncol=2)
     ax.set_title("How much gradient reaches each parameter group (median over training)")
     fig.tight_layout()
     return fig
@@ -164,7 +181,7 @@ def plot_kv_position_gradients(samples: pd.DataFrame, kv_positions: pd.DataFrame
     The legend gives, per step, the Spearman correlation between the two over all positions of the last probe.
     """
     names = _drafters(samples)
-    fig, axes = plt.subplots(1, len(names), figsize=(4.6 * len(names), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(names), figsize=(max(PAGE, 2.4 * len(names)), 2.6), squeeze=False)
     cmap = plt.get_cmap("viridis")
     for ax, (name, _, _) in zip(axes[0], names):
         d = samples[(samples["drafter"] == name) & (samples["layer"] == 0)]
@@ -182,10 +199,10 @@ def plot_kv_position_gradients(samples: pd.DataFrame, kv_positions: pd.DataFrame
         ax.set_title(name)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("attention received (sum over heads, queries)")
+        ax.set_xlabel("attention received (sum over heads and queries)")
         ax.grid(alpha=0.3)
-        ax.legend(frameon=False, fontsize=7, markerscale=3)
-    axes[0][0].set_ylabel("‖∂L/∂k‖ at that position")
+        ax.legend(frameon=False, markerscale=3)
+    axes[0][0].set_ylabel("‖∂L/∂k‖ at that position (L2)")
     fig.suptitle("The drafter's own keys (layer 0, last probe): gradient follows the attention they receive")
     fig.tight_layout()
     return fig
@@ -200,10 +217,10 @@ def plot_attention_mass(mass: pd.DataFrame):
         rows.append(dict(drafter=name, part=f"{seg} KV", share=g["share"].mean() - g["sink_share"].mean()))
         rows.append(dict(drafter=name, part=f"{seg} first key (sink)", share=g["sink_share"].mean()))
     t = pd.DataFrame(rows).pivot(index="drafter", columns="part", values="share").fillna(0)
-    fig, ax = plt.subplots(figsize=(7, 0.6 + 0.5 * len(t)))
+    fig, ax = plt.subplots(figsize=(PAGE, 0.8 + 0.35 * len(t)))
     t.plot.barh(stacked=True, ax=ax, colormap="tab20c")
-    ax.set_xlabel("share of attention mass (per softmax; the hybrid has two)")
-    ax.legend(frameon=False, fontsize=8, bbox_to_anchor=(1, 1))
+    ax.set_xlabel("share of attention mass (fraction per softmax; the hybrid has two)")
+    ax.legend(frameon=False, bbox_to_anchor=(1, 1))
     fig.tight_layout()
     return fig
 
@@ -211,17 +228,17 @@ def plot_attention_mass(mass: pd.DataFrame):
 def plot_remedies(per_step: pd.DataFrame, probes: pd.DataFrame | None = None):
     """The remedy experiment: held-out per-step accuracy per remedy, and the K/V-projection gradient it saw."""
     n = 2 if probes is not None else 1
-    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4), squeeze=False)
-    cmap = plt.get_cmap("tab10")
+    fig, axes = plt.subplots(1, n, figsize=(PAGE / 2 * n, 2.6), squeeze=False)
+    cmap = plt.get_cmap("tab10")  # remedies of one drafter: told apart by colour, not paradigm
     for i, (name, d) in enumerate(per_step.groupby("drafter", sort=False)):
         d = d.sort_values("draft_step")
-        axes[0][0].plot(d["draft_step"], d["accuracy"], marker="o", ms=4, color=cmap(i), label=name)
+        axes[0][0].plot(d["draft_step"], d["accuracy"], marker="o", color=cmap(i), label=name)
         if probes is not None:
             p = probes[(probes["drafter"] == name) & (probes["group"] == "kv_proj")].sort_values("step")
             axes[0][1].plot(p["step"], p["rms"], color=cmap(i), label=name)
     axes[0][0].set_xlabel("draft step k")
     axes[0][0].set_ylabel("held-out accuracy")
-    axes[0][0].legend(frameon=False, fontsize=8)
+    axes[0][0].legend(frameon=False)
     axes[0][0].grid(alpha=0.3)
     if probes is not None:
         axes[0][1].set_yscale("log")

@@ -24,9 +24,9 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from ..corpus import answer_text, chat_prompt_ids, load_mtbench, mtbench_messages
+from ..decoding.engine import DecodeConfig, GenerationResult, generate
 from . import metrics
-from .data import answer_text, chat_prompt_ids, load_mtbench, mtbench_messages
-from .decoding import DecodeConfig, GenerationResult, generate
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup")
 METHODS = ("ar", "chain", "tree", *HF_METHODS)

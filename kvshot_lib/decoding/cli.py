@@ -1,8 +1,7 @@
-"""``kvshot generate`` (decode one prompt with any drafter and mode) and ``kvshot bench`` (the speed benchmark).
+"""``kvshot generate``: decode one prompt with any drafter and mode.
 
     kvshot generate --drafter ngram --mode chain --mt-bench 1 --max-new-tokens 64 --json
     kvshot generate --drafter runs/default/drafters/kv-ttt --mode tree --prompt "Why is the sky blue?"
-    kvshot bench --drafters ngram self --n-questions 4 --max-new-tokens 64 --out benchmarks/results/cli.csv
 
 Arguments are checked before the target is loaded: an unknown drafter, a drafter path that is not a
 checkpoint folder, a drafter with ``--mode ar`` (or none with chain/tree), or a negative temperature
@@ -16,11 +15,11 @@ import json
 import sys
 from pathlib import Path
 
-from .baseline_drafters import BASELINES, is_baseline_name, resolve_drafter
-from .decoding import MODES, DecodeConfig, generate
+from ..drafters.baselines import BASELINES, is_baseline_name, resolve_drafter
+from .engine import MODES, DecodeConfig, generate
 
 
-def _decode_args(p: argparse.ArgumentParser) -> None:
+def decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target", default="smollm2-135m", help="preset, HF id or local path (default: smollm2-135m)"
     )
@@ -40,7 +39,7 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
 
 def add_cli(sub) -> None:
     g = sub.add_parser("generate", help="decode a prompt (plain, chain or tree) and print the continuation")
-    _decode_args(g)
+    decode_args(g)
     g.add_argument(
         "--drafter", default="none", help=f"a checkpoint folder, or one of none, {', '.join(BASELINES)}"
     )
@@ -57,18 +56,6 @@ def add_cli(sub) -> None:
         "--json", action="store_true", help="print token_ids, text, accepted_per_cycle, tokens_per_s, ..."
     )
     g.set_defaults(func=_cli_generate)
-
-    b = sub.add_parser(
-        "bench", help="measure tokens/s of plain, chain, tree and HF decoding on MT-bench prompts"
-    )
-    _decode_args(b)
-    b.add_argument("--drafters", nargs="+", default=["ngram"], help="names or checkpoint folders")
-    b.add_argument("--methods", nargs="+", default=["ar", "chain", "tree", "hf_generate", "hf_prompt_lookup"])
-    b.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
-    b.add_argument("--n-questions", type=int, default=4, help="MT-bench questions")
-    b.add_argument("--turns", type=int, default=2, choices=(1, 2), help="1: first turns only; 2: both")
-    b.add_argument("--out", default=None, help="write the table here (.csv or .json)")
-    b.set_defaults(func=_cli_bench)
 
 
 def check_drafter_spec(spec: str) -> None:
@@ -88,7 +75,7 @@ def check_drafter_spec(spec: str) -> None:
         )
 
 
-def _config(args, mode: str) -> DecodeConfig:
+def decode_config(args, mode: str) -> DecodeConfig:
     try:
         return DecodeConfig(
             mode=mode,
@@ -106,10 +93,10 @@ def _config(args, mode: str) -> DecodeConfig:
         raise SystemExit(f"kvshot: {e}") from None
 
 
-def _load(args):
+def load_cli_target(args):
     import torch
 
-    from .targets import TargetLoadError, load_target
+    from ..target import TargetLoadError, load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -133,18 +120,18 @@ def _cli_generate(args) -> int:
     if args.mt_bench is not None and not 1 <= args.mt_bench <= 80:
         raise SystemExit(f"kvshot: --mt-bench takes a question number in 1..80, got {args.mt_bench}.")
     check_drafter_spec(args.drafter)
-    cfg = _config(args, mode)
-    target = _load(args)
+    cfg = decode_config(args, mode)
+    target = load_cli_target(args)
     drafter = resolve_drafter(args.drafter, target, args.seed)
     tok = target.tokenizer
     if args.mt_bench is not None:
-        from .data import chat_prompt_ids, load_mtbench, mtbench_messages
+        from ..corpus import chat_prompt_ids, load_mtbench, mtbench_messages
 
         prompt = chat_prompt_ids(tok, mtbench_messages(load_mtbench(args.mt_bench)[-1]))
     elif args.raw:
         prompt = tok(args.prompt, add_special_tokens=False)["input_ids"]
     else:
-        from .data import chat_prompt_ids
+        from ..corpus import chat_prompt_ids
 
         prompt = chat_prompt_ids(tok, [{"role": "user", "content": args.prompt}])
     out = generate(target, prompt, cfg, drafter)
@@ -176,56 +163,4 @@ def _cli_generate(args) -> int:
         print(text)
         summary = f"[{len(out.token_ids)} tokens, {out.tokens_per_s:.1f} tokens/s"
         print(summary + (f", MAT {out.mat:.2f}]" if out.n_cycles else "]"), file=sys.stderr)
-    return 0
-
-
-def _cli_bench(args) -> int:
-    from . import speedup
-
-    for spec in args.drafters:
-        check_drafter_spec(spec)
-    if not 1 <= args.n_questions <= 80:
-        raise SystemExit("kvshot: --n-questions must be in 1..80.")
-    base = _config(args, "chain")
-    for t in args.temperatures:
-        _config(argparse.Namespace(**{**vars(args), "temperature": t}), "chain")
-    bad = [m for m in args.methods if m not in speedup.METHODS]
-    if bad:
-        raise SystemExit(f"kvshot: unknown methods {bad}; choose from {speedup.METHODS}.")
-    target = _load(args)
-    drafters = {spec: resolve_drafter(spec, target, args.seed) for spec in args.drafters}
-    plan = speedup.run_mtbench_benchmark(
-        target,
-        drafters,
-        args.n_questions,
-        args.turns,
-        methods=args.methods,
-        temperatures=args.temperatures,
-        base=base,
-    )
-    table = speedup.speedup_table(plan)
-    import pandas as pd
-
-    with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(
-            table[
-                [
-                    "method",
-                    "drafter",
-                    "temperature",
-                    "tokens_per_s",
-                    "speedup_vs_ar",
-                    "mat",
-                    "exact_match_vs_ar",
-                ]
-            ].to_string(index=False, float_format=lambda x: f"{x:.3f}")
-        )
-    print(f"machine: {speedup.machine_info()}")
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        table.to_json(out, orient="records", indent=1) if out.suffix == ".json" else table.to_csv(
-            out, index=False
-        )
-        print(f"wrote {out}")
     return 0

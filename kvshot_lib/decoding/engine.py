@@ -29,10 +29,11 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from .draft_tree import DraftTree, ancestor_matrix, draft_chain, draft_dynamic_tree, tree_attention_mask
-from .drafters.base import TargetView
-from .linear_kernels import small_batch_linear
+from ..drafters.base import TargetView
+from ..drafters.tree_mask import ancestor_matrix, tree_attention_mask
+from .kernels import small_batch_linear
 from .sampling import accept_draft_tokens, check_sampling_args, logits_to_probs, residual_probs, sample
+from .tree import DraftTree, draft_chain, draft_dynamic_tree
 
 MODES = ("ar", "chain", "tree")
 

@@ -1,7 +1,7 @@
 """Figures of the decoding notebooks: acceptance by draft step (03), MAT by drafter (03), speedup vs MAT (06).
 
-Each function takes the table its notebook writes and returns a matplotlib figure; save it with
-:func:`kvshot_lib.plots.save_figure` (PNG + PDF).
+Each function takes the table its notebook writes (as read back from the saved CSV) and returns a matplotlib
+figure; :mod:`.figures` saves it (PDF + PNG).
 """
 
 from __future__ import annotations
@@ -10,12 +10,20 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-MODE_STYLE = {"chain": "-", "tree": "--"}
+from .style import MODE_STYLES, PAGE, drafter_color
+
+_MARKERS = "osD^vP*Xhp<>"
 
 
-def _colors(names) -> dict:
-    cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
-    return {name: cmap(i % cmap.N) for i, name in enumerate(names)}
+def _looks(table: pd.DataFrame) -> dict:
+    """Per drafter: its paradigm's colour, and a marker that tells apart drafters of one paradigm."""
+    pairs = table[["drafter", "paradigm"]].drop_duplicates("drafter") if "paradigm" in table else None
+    names = list(dict.fromkeys(table["drafter"]))
+    paradigm = dict(pairs.itertuples(index=False, name=None)) if pairs is not None else {}
+    return {
+        name: dict(color=drafter_color(name, paradigm.get(name)), marker=_MARKERS[i % len(_MARKERS)])
+        for i, name in enumerate(names)
+    }
 
 
 def plot_acceptance_by_step(
@@ -26,13 +34,13 @@ def plot_acceptance_by_step(
     Steps attempted fewer than ``min_attempts`` times are not drawn (their alpha is noise); the table
     keeps them with their ``n_attempts``."""
     temps = sorted(table["temperature"].unique())
-    colors = _colors(list(dict.fromkeys(table["drafter"])))
-    fig, axes = plt.subplots(len(temps), 2, figsize=(11, 3.6 * len(temps)), squeeze=False, sharex=True)
+    looks = _looks(table)
+    fig, axes = plt.subplots(len(temps), 2, figsize=(PAGE, 2.4 * len(temps)), squeeze=False, sharex=True)
     for row, temp in zip(axes, temps):
         sub = table[table["temperature"] == temp]
         for (drafter, mode), d in sub.groupby(["drafter", "mode"], sort=False):
             d = d[d["n_attempts"] >= min_attempts].sort_values("step")
-            kw = dict(color=colors[drafter], linestyle=MODE_STYLE.get(mode, ":"), marker="o", markersize=3)
+            kw = dict(**looks[drafter], linestyle=MODE_STYLES.get(mode, ":"))
             row[0].plot(d["step"], d["alpha_conditional"], label=f"{drafter} ({mode})", **kw)
             row[1].plot(d["step"], d["p_reach"], **kw)
         row[0].set_ylabel(f"T = {temp:g}\nconditional acceptance $\\alpha_k$")
@@ -45,7 +53,7 @@ def plot_acceptance_by_step(
     axes[0][0].set_title("conditional: $\\alpha_k$")
     axes[0][1].set_title("unconditional: reach probability")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     fig.suptitle(f"{title}  (steps with < {min_attempts} attempts not drawn)")
     fig.tight_layout()
     return fig
@@ -56,7 +64,7 @@ def plot_mat_by_drafter(summary: pd.DataFrame, title: str = "Mean accepted token
     drafters = list(dict.fromkeys(summary["drafter"]))
     groups = list(summary.groupby(["mode", "temperature"], sort=True).groups)
     width = 0.8 / max(len(groups), 1)
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(drafters) * max(1, len(groups) / 2)), 4))
+    fig, ax = plt.subplots(figsize=(max(PAGE / 2, 0.5 * len(drafters) * max(1, len(groups) / 2)), 2.6))
     x = np.arange(len(drafters))
     for i, (mode, temp) in enumerate(groups):
         d = summary[(summary["mode"] == mode) & (summary["temperature"] == temp)].set_index("drafter")
@@ -71,10 +79,9 @@ def plot_mat_by_drafter(summary: pd.DataFrame, title: str = "Mean accepted token
         )
     ax.axhline(1.0, color="gray", lw=0.8, ls=":")
     ax.set_xticks(x, drafters, rotation=30, ha="right")
-    ax.set_ylabel("MAT (accepted drafts + bonus)")
+    ax.set_ylabel("MAT τ (accepted drafts + bonus,\ntokens per cycle)")
     ax.set_title(title)
-    ax.legend(fontsize=8, frameon=False)
-    ax.grid(axis="y", alpha=0.3)
+    ax.legend(frameon=False)
     fig.tight_layout()
     return fig
 
@@ -82,15 +89,15 @@ def plot_mat_by_drafter(summary: pd.DataFrame, title: str = "Mean accepted token
 def plot_speedup_vs_mat(table: pd.DataFrame, title: str | None = None):
     """Speedup over our plain decoding against MAT, for chain and tree runs; HF generate baselines (which
     have no MAT here) as horizontal lines."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(PAGE * 0.6, 3.0))
     spec = table[table["method"].isin(["chain", "tree"])]
-    colors = _colors(list(dict.fromkeys(spec["drafter"])))
+    looks = _looks(spec)
     markers = {"chain": "o", "tree": "^"}
     for _, r in spec.iterrows():
         ax.scatter(
             r["mat"],
             r["speedup_vs_ar"],
-            color=colors[r["drafter"]],
+            color=looks[r["drafter"]]["color"],
             marker=markers[r["method"]],
             s=50,
             alpha=1.0 if r["temperature"] == 0 else 0.5,
@@ -98,7 +105,7 @@ def plot_speedup_vs_mat(table: pd.DataFrame, title: str | None = None):
         ax.annotate(
             f"{r['drafter']} ({r['method']}, T={r['temperature']:g})",
             (r["mat"], r["speedup_vs_ar"]),
-            fontsize=7,
+            fontsize=5.5,
             xytext=(4, 3),
             textcoords="offset points",
         )
@@ -111,11 +118,10 @@ def plot_speedup_vs_mat(table: pd.DataFrame, title: str | None = None):
             label=f"{r['method']} (T={r['temperature']:g}): {r['speedup_vs_ar']:.2f}x",
         )
     ax.axhline(1.0, color="black", lw=0.8, label="plain decoding (ours)")
-    ax.set_xlabel("MAT (τ)")
-    ax.set_ylabel("speedup vs plain decoding (same run)")
+    ax.set_xlabel("MAT τ (tokens per cycle)")
+    ax.set_ylabel("speedup vs plain decoding (×, same run)")
     machine = table["machine"].iloc[0] if "machine" in table and len(table) else ""
-    ax.set_title(title or f"End-to-end speedup on {machine}", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, frameon=False, loc="best")
+    ax.set_title(title or f"End-to-end speedup on {machine}")
+    ax.legend(frameon=False, loc="best")
     fig.tight_layout()
     return fig

@@ -30,10 +30,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from . import assets
-from .capture import capture
-from .data import TokenizedSplit
-from .targets import Target
+from ..target import Target, assets, capture
+from .sharegpt import TokenizedSplit
 
 FORMAT = "kvshot-features/1"
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

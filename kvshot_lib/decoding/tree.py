@@ -168,25 +168,3 @@ def draft_dynamic_tree(
         tree.parents.append(-1 if par[c] < 0 else new_index[par[c]])
         tree.depths.append(dep[c])
     return tree
-
-
-def ancestor_matrix(parents: list[int]) -> Tensor:
-    """``[N+1, N+1]`` bool: row b sees column c iff c is b itself or one of its ancestors.
-    Block position 0 is the root, position i + 1 is node i (parents before children)."""
-    n = len(parents)
-    anc = torch.eye(n + 1, dtype=torch.bool)  # [N+1, N+1]
-    anc[1:, 0] = True
-    for i, p in enumerate(parents):
-        if p >= 0:
-            anc[i + 1] |= anc[p + 1]
-    return anc
-
-
-def tree_attention_mask(anc: Tensor, past_len: int, dtype: torch.dtype, device=None) -> Tensor:
-    """The additive 4-D mask ``[1, 1, q, past_len + k]`` for ``q`` queries whose visibility over the ``k``
-    newest keys is ``anc [q, k]``: every query sees the whole past and the keys ``anc`` allows.
-    transformers passes a 4-D mask through as-is."""
-    q, k = anc.shape
-    mask = torch.zeros(1, 1, q, past_len + k, dtype=dtype, device=device)  # [1, 1, q, kv]
-    mask[0, 0, :, past_len:].masked_fill_(~anc.to(device), torch.finfo(dtype).min)
-    return mask

@@ -54,11 +54,10 @@ def parse_sets(items: list[str]) -> dict:
 
 
 def run(args) -> int:
-    from .data import tokenize_sharegpt
-    from .features import extract_features
-    from .targets import load_target
-    from .train_config import TrainConfig
-    from .training import make_accelerator, train_drafter
+    from ..corpus import extract_features, tokenize_sharegpt
+    from ..target import load_target
+    from .config import TrainConfig
+    from .loop import make_accelerator, train_drafter
 
     params = json.loads(Path(args.config).read_text()) if args.config else {}
     params.update(parse_sets(args.set))

@@ -79,7 +79,7 @@ def _cpu_name() -> str:
 
 
 def _disk_path():
-    from .assets import cache_dir
+    from ..target.assets import cache_dir
 
     return cache_dir() / "linear_kernels.json"
 

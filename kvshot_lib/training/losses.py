@@ -32,8 +32,8 @@ import math
 import torch
 from torch import Tensor
 
-from .drafters.common import Unrolled
-from .drafters.unroll import TrainBatch, shifted
+from ..drafters.common import Unrolled
+from ..drafters.unroll import TrainBatch, shifted
 
 
 def target_probs(final_hidden: Tensor, head: Tensor) -> Tensor:

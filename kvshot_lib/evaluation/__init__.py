@@ -1,0 +1,49 @@
+"""The evaluation stage: acceptance by draft step and end-to-end speedup on MT-bench.
+
+* :mod:`.metrics` defines α_k (conditional), the reach probability, MAT and retention once;
+* :mod:`.acceptance` decodes MT-bench with every drafter (an exact greedy replay at temperature 0, the
+  engine otherwise) and tabulates acceptance by step;
+* :mod:`.speedup` times plain, speculative and Hugging Face decoding in one run on one machine.
+
+It hands result tables (one row per drafter, mode, step or method) to the plots.
+"""
+
+from . import metrics
+from .acceptance import (
+    AcceptanceRun,
+    Reference,
+    acceptance_summary,
+    acceptance_table,
+    greedy_references,
+    mode_configs,
+    replay_greedy,
+    run_engine,
+    run_greedy_replay,
+)
+from .speedup import (
+    METHODS,
+    machine_info,
+    machine_name,
+    run_benchmark,
+    run_mtbench_benchmark,
+    speedup_table,
+)
+
+__all__ = [
+    "METHODS",
+    "AcceptanceRun",
+    "Reference",
+    "acceptance_summary",
+    "acceptance_table",
+    "greedy_references",
+    "machine_info",
+    "machine_name",
+    "metrics",
+    "mode_configs",
+    "replay_greedy",
+    "run_benchmark",
+    "run_engine",
+    "run_greedy_replay",
+    "run_mtbench_benchmark",
+    "speedup_table",
+]

@@ -1,0 +1,43 @@
+"""The plots stage: every figure, drawn from a saved table, in one paper style.
+
+* :mod:`.style`: the theme (seaborn, colour-blind palette, one colour per paradigm), sizes for a two-column
+  paper, the caption line, and :func:`save_figure` (PDF + PNG with no dates, so redraws are byte-identical);
+* one module per notebook family: :mod:`.corpus` (00), :mod:`.training` (02, 05), :mod:`.decoding` (03, 06);
+  their functions take the saved tables (DataFrames), never live objects;
+* :mod:`.figures`: the registry of every figure and its tables, :func:`publish` (a notebook keeps the tables
+  beside the figure and draws it from them) and :func:`redraw` (``kvshot figures``).
+"""
+
+from . import corpus, decoding, figures, training
+from .figures import FIGURES, FigureDataError, draw, load_tables, publish, redraw
+from .style import (
+    COLUMN,
+    PAGE,
+    PARADIGM_COLORS,
+    add_caption,
+    drafter_color,
+    paper_style,
+    paper_theme,
+    save_figure,
+)
+
+__all__ = [
+    "COLUMN",
+    "FIGURES",
+    "PAGE",
+    "PARADIGM_COLORS",
+    "FigureDataError",
+    "add_caption",
+    "corpus",
+    "decoding",
+    "draw",
+    "drafter_color",
+    "figures",
+    "load_tables",
+    "paper_style",
+    "paper_theme",
+    "publish",
+    "redraw",
+    "save_figure",
+    "training",
+]

@@ -1,0 +1,303 @@
+"""Every figure of the suite, named once with the tables it is drawn from: ``kvshot figures`` redraws them.
+
+A notebook saves its result tables under ``runs/<profile>/results/`` first, then calls :func:`publish`,
+which copies the figure's tables into ``figures/<profile>/data/`` and draws the figure from that copy. So
+the committed figures of a profile sit beside the exact tables they were drawn from, and::
+
+    kvshot figures --profile default [--out DIR]
+
+redraws all of them from ``figures/default/data/`` without loading a model, byte for byte (the figure
+files carry no dates; see :func:`~kvshot_lib.plots.style.save_figure`). To restyle a figure in JupyterLab,
+read its tables (:func:`load_tables`) and call its plotting function, or edit the style and redraw.
+
+A figure's caption line (the target, the data, what a point averages) is built from ``captions.json``,
+which :func:`publish` writes beside the tables from what the notebook knows (target, data), plus counts
+taken from the tables themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from . import corpus, decoding, training
+from .style import add_caption, paper_style, save_figure
+
+CAPTIONS = "captions.json"
+
+
+class FigureDataError(ValueError):
+    """A figure's table is missing or malformed; the message names the figure, the table and its notebook."""
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    name: str  # file stem, e.g. "02_per_step_accuracy" (the number is the notebook's)
+    notebook: str  # the notebook that writes the tables
+    tables: tuple[str, ...]  # file names under results/ (CSV, or JSON for nested data)
+    draw: Callable[[dict], object]  # tables -> matplotlib figure
+    columns: dict  # table -> columns the drawing needs
+    counts: Callable[[dict], str] = lambda t: ""  # tables -> "what each point averages"
+
+
+def _n_range(values) -> str:
+    lo, hi = int(min(values)), int(max(values))
+    return f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"
+
+
+def _per_step_counts(t):
+    n = t["per_step_accuracy.csv"]["n"]
+    return f"each point: {_n_range(n)} held-out positions; band: 95% Wilson interval"
+
+
+def _acceptance_counts(t):
+    d = t["acceptance_by_step.csv"]
+    return f"each point: {_n_range(d['n_attempts'][d['n_attempts'] > 0])} draft attempts"
+
+
+def _speedup_counts(t):
+    d = t["speedup.csv"]
+    prompts = f"{int(d['n_prompts'].max())} prompts" if "n_prompts" in d else "MT-bench prompts"
+    machine = d["machine"].iloc[0] if "machine" in d and len(d) else "this machine"
+    return f"each point: {prompts}, one run on {machine}"
+
+
+SPECS = [
+    FigureSpec(
+        "00_length_distributions",
+        "00_target_and_data",
+        ("sharegpt_conversations.csv", "sharegpt_responses.csv", "target_info.json"),
+        lambda t: corpus.plot_length_distributions(
+            t["sharegpt_conversations.csv"], t["sharegpt_responses.csv"], t["target_info.json"]["max_context"]
+        ),
+        {"sharegpt_conversations.csv": ["tokens"], "sharegpt_responses.csv": ["tokens"]},
+        lambda t: (
+            f"{len(t['sharegpt_conversations.csv'])} conversations, {len(t['sharegpt_responses.csv'])} responses"
+        ),
+    ),
+    FigureSpec(
+        "02_per_step_accuracy",
+        "02_train_drafters",
+        ("per_step_accuracy.csv",),
+        lambda t: training.plot_per_step_accuracy(t["per_step_accuracy.csv"]),
+        {"per_step_accuracy.csv": ["drafter", "paradigm", "regime", "draft_step", "accuracy", "n"]},
+        _per_step_counts,
+    ),
+    FigureSpec(
+        "02_training_curves",
+        "02_train_drafters",
+        ("training_history.csv",),
+        lambda t: training.plot_training_curves(t["training_history.csv"]),
+        {"training_history.csv": ["drafter", "paradigm", "regime", "step", "loss", "acc_0"]},
+        lambda t: (
+            f"rolling mean of 10 optimizer steps; {int(t['training_history.csv']['tokens'].sum()):,} training tokens in all"
+        ),
+    ),
+    FigureSpec(
+        "02_heldout_over_training",
+        "02_train_drafters",
+        ("heldout_eval.csv",),
+        lambda t: training.plot_heldout_over_training(t["heldout_eval.csv"]),
+        {"heldout_eval.csv": ["drafter", "paradigm", "regime", "step", "acc_0"]},
+        lambda t: f"each point: {_n_range(t['heldout_eval.csv']['n_0'])} held-out positions at step 0",
+    ),
+    FigureSpec(
+        "03_acceptance_by_step",
+        "03_acceptance_by_step",
+        ("acceptance_by_step.csv",),
+        lambda t: decoding.plot_acceptance_by_step(t["acceptance_by_step.csv"]),
+        {
+            "acceptance_by_step.csv": [
+                "drafter",
+                "mode",
+                "temperature",
+                "step",
+                "alpha_conditional",
+                "p_reach",
+                "n_attempts",
+            ]
+        },
+        _acceptance_counts,
+    ),
+    FigureSpec(
+        "03_mat_by_drafter",
+        "03_acceptance_by_step",
+        ("acceptance_summary.csv",),
+        lambda t: decoding.plot_mat_by_drafter(t["acceptance_summary.csv"]),
+        {"acceptance_summary.csv": ["drafter", "mode", "temperature", "mat"]},
+        lambda t: f"each bar: {_n_range(t['acceptance_summary.csv']['n_cycles'])} verification cycles",
+    ),
+    FigureSpec(
+        "05_grad_group_stats",
+        "02_train_drafters",
+        ("grad_probes.csv",),
+        lambda t: training.plot_grad_group_stats(t["grad_probes.csv"]),
+        {"grad_probes.csv": ["drafter", "paradigm", "regime", "step", "group", "rms", "frac_small", "hoyer"]},
+        lambda t: "each point: one probed optimizer step (one training batch)",
+    ),
+    FigureSpec(
+        "05_kv_vs_other_groups",
+        "02_train_drafters",
+        ("grad_probes.csv",),
+        lambda t: training.plot_kv_vs_other_groups(t["grad_probes.csv"]),
+        {"grad_probes.csv": ["drafter", "group", "rms"]},
+        lambda t: f"each bar: median over {t['grad_probes.csv']['step'].nunique()} probed steps",
+    ),
+    FigureSpec(
+        "05_kv_position_gradients",
+        "02_train_drafters",
+        ("kv_position_samples.csv", "kv_positions.csv"),
+        lambda t: training.plot_kv_position_gradients(t["kv_position_samples.csv"], t["kv_positions.csv"]),
+        {
+            "kv_position_samples.csv": [
+                "drafter",
+                "paradigm",
+                "regime",
+                "layer",
+                "own_step",
+                "received",
+                "grad_k",
+            ]
+        },
+        lambda t: "each dot: one of the drafter's own K/V positions at the last probe",
+    ),
+    FigureSpec(
+        "05_attention_mass",
+        "02_train_drafters",
+        ("attention_mass.csv",),
+        lambda t: training.plot_attention_mass(t["attention_mass.csv"]),
+        {"attention_mass.csv": ["drafter", "step", "layer", "segment", "share", "sink_share"]},
+        lambda t: "each bar: mean over the positions of the last probed batch",
+    ),
+    FigureSpec(
+        "05_remedies",
+        "05_kv_gradient_sparsity",
+        ("remedy_per_step_accuracy.csv", "remedy_grad_probes.csv"),
+        lambda t: training.plot_remedies(t["remedy_per_step_accuracy.csv"], t["remedy_grad_probes.csv"]),
+        {"remedy_per_step_accuracy.csv": ["drafter", "draft_step", "accuracy"]},
+        lambda t: f"each point: {_n_range(t['remedy_per_step_accuracy.csv']['n'])} held-out positions",
+    ),
+    FigureSpec(
+        "06_speedup_vs_mat",
+        "06_end_to_end_speedup",
+        ("speedup.csv",),
+        lambda t: decoding.plot_speedup_vs_mat(t["speedup.csv"]),
+        {"speedup.csv": ["method", "drafter", "temperature", "speedup_vs_ar", "mat"]},
+        _speedup_counts,
+    ),
+]
+FIGURES = {s.name: s for s in SPECS}
+
+
+def _read(path: Path, spec: FigureSpec, table: str):
+    where = f"figure {spec.name!r} needs the table {table!r}, which notebook {spec.notebook} writes"
+    if not path.is_file():
+        raise FigureDataError(
+            f"{where}; it is missing from {path.parent}. Run that notebook (kvshot run --only "
+            f"{spec.notebook[:2]}) or restore the file."
+        )
+    try:
+        data = json.loads(path.read_text()) if path.suffix == ".json" else pd.read_csv(path)
+    except (ValueError, pd.errors.ParserError) as e:
+        raise FigureDataError(f"{where}; {path} is malformed: {e}") from None
+    missing = [c for c in spec.columns.get(table, []) if c not in getattr(data, "columns", data)]
+    if missing or (isinstance(data, pd.DataFrame) and data.empty):
+        what = f"lacks the columns {missing}" if missing else "has no rows"
+        raise FigureDataError(f"{where}; {path} {what}. Rerun notebook {spec.notebook}.")
+    return data
+
+
+def load_tables(name: str, data_dir: str | Path) -> dict:
+    """The tables of figure ``name`` from ``data_dir``, checked: {file name: DataFrame or dict}."""
+    spec = _spec(name)
+    return {table: _read(Path(data_dir) / table, spec, table) for table in spec.tables}
+
+
+def _spec(name: str) -> FigureSpec:
+    if name not in FIGURES:
+        raise FigureDataError(f"unknown figure {name!r}; the suite's figures are {sorted(FIGURES)}.")
+    return FIGURES[name]
+
+
+def draw(name: str, data_dir: str | Path, figure_dir: str | Path) -> object:
+    """Draw figure ``name`` from the tables in ``data_dir`` and save it (PDF + PNG) in ``figure_dir``."""
+    spec = _spec(name)
+    tables = load_tables(name, data_dir)
+    captions = Path(data_dir) / CAPTIONS
+    context = json.loads(captions.read_text()).get(name, "") if captions.is_file() else ""
+    with paper_style():
+        fig = spec.draw(tables)
+        add_caption(fig, " · ".join(x for x in (context, spec.counts(tables)) if x))
+        save_figure(fig, figure_dir, name)
+    return fig
+
+
+def publish(name: str, results_dir: str | Path, figure_dir: str | Path, context: str = "") -> object:
+    """Keep figure ``name``'s tables beside it (``<figure_dir>/data/``) and draw it from that copy.
+
+    ``context`` starts its caption line: the target and the data, e.g. "SmolLM2-135M-Instruct · MT-bench"."""
+    spec = _spec(name)
+    data_dir = Path(figure_dir) / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for table in spec.tables:
+        src = Path(results_dir) / table
+        _read(src, spec, table)  # a clear error before anything is copied
+        shutil.copyfile(src, data_dir / table)
+    captions = data_dir / CAPTIONS
+    known = json.loads(captions.read_text()) if captions.is_file() else {}
+    known[name] = context
+    captions.write_text(json.dumps(dict(sorted(known.items())), indent=1) + "\n")
+    return draw(name, data_dir, figure_dir)
+
+
+def redraw(figure_dir: str | Path, out_dir: str | Path | None = None, names=None) -> list[str]:
+    """Redraw every figure of a profile's folder from its ``data/`` tables (into ``out_dir``, default the
+    same folder). A figure is expected where its PNG or any of its tables is present; returns the names."""
+    figure_dir = Path(figure_dir)
+    data_dir = figure_dir / "data"
+    if not data_dir.is_dir():
+        raise FigureDataError(
+            f"{figure_dir} has no data/ folder of tables; run the profile's notebooks first."
+        )
+    if names is None:
+        names = [
+            s.name
+            for s in FIGURES.values()
+            if (figure_dir / f"{s.name}.png").is_file() or any((data_dir / t).is_file() for t in s.tables)
+        ]
+    for name in names:
+        plt.close(draw(name, data_dir, out_dir or figure_dir))
+    return list(names)
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("figures", help="redraw a profile's figures from its saved tables (no model loaded)")
+    p.add_argument(
+        "--profile", default="default", help="a profile whose figures/<profile>/data/ holds tables"
+    )
+    p.add_argument("--out", default=None, help="write the figures here (default: figures/<profile>/)")
+    p.add_argument(
+        "--only", nargs="+", default=None, metavar="FIGURE", help="figure names, e.g. 03_mat_by_drafter"
+    )
+    p.set_defaults(func=_cli_figures)
+
+
+def _cli_figures(args) -> int:
+    import sys
+
+    from ..target.assets import REPO_ROOT
+
+    figure_dir = REPO_ROOT / "figures" / args.profile
+    try:
+        names = redraw(figure_dir, args.out, args.only)
+    except FigureDataError as e:
+        print(f"kvshot figures: {e}", file=sys.stderr)
+        return 2
+    print(f"redrew {len(names)} figures of {args.profile} into {args.out or figure_dir}: {', '.join(names)}")
+    return 0

@@ -1,0 +1,74 @@
+"""The training stage: turn a feature store into a trained drafter checkpoint, with its logs.
+
+* :class:`TrainConfig` (and :func:`parse_drafter_specs` for a notebook's list of drafters) is the one place
+  a parameter dict becomes a validated configuration;
+* :func:`train_drafter` trains one drafter under teacher forcing, TTT or block-wise training, with held-out
+  per-step accuracy, gradient probes, resume, and ``accelerate``;
+* :mod:`.grad_probes` measures how much gradient reaches each parameter group and each K/V position.
+
+It hands checkpoint folders (``config.json`` + ``model.safetensors``) and log tables to decoding,
+evaluation and the plots.
+"""
+
+from .batches import StoreBatches, batch_from_target, collate, target_sequence
+from .config import TrainConfig, TrainConfigError, parse_drafter_specs
+from .grad_probes import (
+    GROUPS,
+    PROBE_TABLES,
+    GradProbe,
+    grad_stats,
+    grouped_parameters,
+    kv_gradient_summary,
+    load_probe_tables,
+    param_group,
+    spearman,
+)
+from .heldout import EvalSet, combined_table, evaluate_per_step, gate_summary, per_step_table, training_times
+from .loop import (
+    LOG_TABLES,
+    Objective,
+    TrainResult,
+    build_draft_vocab,
+    build_optimizer,
+    make_accelerator,
+    read_logs,
+    train_drafter,
+)
+from .losses import branch_valid, regime_loss, sample_branches, step_mask
+
+__all__ = [
+    "GROUPS",
+    "LOG_TABLES",
+    "PROBE_TABLES",
+    "EvalSet",
+    "GradProbe",
+    "Objective",
+    "StoreBatches",
+    "TrainConfig",
+    "TrainConfigError",
+    "TrainResult",
+    "batch_from_target",
+    "branch_valid",
+    "build_draft_vocab",
+    "build_optimizer",
+    "collate",
+    "combined_table",
+    "evaluate_per_step",
+    "gate_summary",
+    "grad_stats",
+    "grouped_parameters",
+    "kv_gradient_summary",
+    "load_probe_tables",
+    "make_accelerator",
+    "param_group",
+    "parse_drafter_specs",
+    "per_step_table",
+    "read_logs",
+    "regime_loss",
+    "sample_branches",
+    "spearman",
+    "step_mask",
+    "target_sequence",
+    "train_drafter",
+    "training_times",
+]
