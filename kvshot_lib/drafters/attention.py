@@ -69,6 +69,8 @@ class Segment:
     mask: Tensor | None = None  # [n, S] or [B, 1, 1, n, S] bool, True = visible (dense only)
     tag: tuple | None = None  # e.g. ("own", layer, step) or ("target", layer); for the attention recorder
     rows: Tensor | None = None  # diag keys gathered from these positions of the tagged tensor (recorder)
+    dist: Tensor | None = None  # [n, S] long: query position - key position (dense target segments)
+    bias: Tensor | None = None  # [h, n, S] additive score bias per query head (e.g. a recency bias of dist)
 
 
 def segmented_attention(q: Tensor, segments: list[Segment], recorder=None) -> Tensor:
@@ -86,6 +88,8 @@ def segmented_attention(q: Tensor, segments: list[Segment], recorder=None) -> Te
     for s in segments:
         if s.kind == "dense":
             sc = qg @ s.k.transpose(-1, -2)  # [B, kvH, g*n, S]
+            if s.bias is not None:
+                sc = sc + s.bias.reshape(1, kvh, g * n, -1)  # [h, n, S] -> [1, kvH, g*n, S]
             if s.mask is not None:
                 sc = sc.view(B, kvh, g, n, -1).masked_fill_(~s.mask, float("-inf")).view(B, kvh, g * n, -1)
         else:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 PARADIGMS = ("hidden", "kv", "hybrid")
 KV_MODES = ("concat", "linear", "linear_rope")
 REGIMES = ("tf", "ttt", "block")
+TARGET_KV = ("real", "zeroed")  # what a KV-reading drafter is given: the target's K/V, or zeros (a control)
 FORMAT = "kvshot-drafter/1"
 
 
@@ -45,6 +46,8 @@ class DrafterConfig:
     target_fingerprint: str
     target_vocab_size: int
     target_n_layers: int
+    kv_recency: int = 0  # KV-only: window W of the learned recency bias on target-KV scores (0 = none)
+    target_kv: str = "real"  # KV-reading drafters: "real", or "zeroed" (the control: every target K/V is 0)
     vocab_hash: str = ""
     name: str = ""
     regime: str = ""
@@ -81,6 +84,8 @@ class DrafterConfig:
             bad(f"regime must be one of {REGIMES}, got {self.regime!r}.")
         if self.kv_mode not in KV_MODES:
             bad(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}.")
+        if self.target_kv not in TARGET_KV:
+            bad(f"target_kv must be one of {TARGET_KV}, got {self.target_kv!r}.")
         top = 4 if self.paradigm == "kv" else 8
         if not isinstance(self.n_layers, int) or not 1 <= self.n_layers <= top:
             bad(
@@ -108,7 +113,10 @@ class DrafterConfig:
     def from_dict(cls, d: dict) -> DrafterConfig:
         names = {f.name for f in fields(cls)}
         missing = sorted(
-            n for n in names if n not in d and n not in ("vocab_hash", "name", "regime", "format", "extra")
+            n
+            for n in names
+            if n not in d
+            and n not in ("kv_recency", "target_kv", "vocab_hash", "name", "regime", "format", "extra")
         )
         if missing:
             raise DrafterConfigError(f"drafter config lacks {missing}; it is not a {FORMAT} config.")
@@ -139,6 +147,8 @@ def drafter_config_for(
     query_group: int | None = None,
     name: str = "",
     regime: str = "",
+    kv_recency: int = 0,
+    target_kv: str = "real",
 ) -> DrafterConfig:
     """A drafter config whose widths follow the target's (as EAGLE-3 does). ``target`` is a loaded Target."""
     info = target.info
@@ -167,6 +177,8 @@ def drafter_config_for(
         target_fingerprint=info.fingerprint,
         target_vocab_size=info.vocab_size,
         target_n_layers=info.n_layers,
+        kv_recency=kv_recency if paradigm == "kv" else 0,
+        target_kv=target_kv,
         name=name,
         regime=regime,
     )

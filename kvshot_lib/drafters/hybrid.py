@@ -70,10 +70,6 @@ class HybridLayer(nn.Module):
 class HybridDrafter(HiddenDrafter):
     layer_class = HybridLayer
 
-    def inject(self, keys: Tensor, values: Tensor, positions: Tensor) -> dict[int, tuple[Tensor, Tensor]]:
-        cos, sin = self.rope(positions)
-        return {li: layer.inject(keys, values, cos, sin) for li, layer in enumerate(self.layers)}
-
     def gate_values(self) -> list[Tensor]:
         """The last gate values of every layer (``[B, n, H]`` each), or empty before any forward."""
         return [layer.gate.last for layer in self.layers if layer.gate.last is not None]

@@ -58,6 +58,22 @@ class KVInjector(nn.Module):
         return y.view(B, n, h, D).transpose(1, 2)  # [B, heads, n, D]
 
 
+class RecencyBias(nn.Module):
+    """A learned additive score bias per query head and distance to a target key: ``b[h, min(d, W+1) - 1]``.
+
+    Distance ``d >= 1`` is the query's position minus the key's. The last bucket holds every ``d > W``.
+    It starts at zero (no bias); it lets a query with no context of its own find the most recent target
+    positions, which a query computed from one token embedding can hardly do through RoPE alone."""
+
+    def __init__(self, n_heads: int, window: int):
+        super().__init__()
+        self.window = window
+        self.table = nn.Parameter(torch.zeros(n_heads, window + 1))
+
+    def forward(self, dist: Tensor) -> Tensor:  # [n, S] long -> [h, n, S]
+        return self.table[:, (dist - 1).clamp(0, self.window)]
+
+
 class KVLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -66,6 +82,7 @@ class KVLayer(nn.Module):
         self.input_norm = RMSNorm(H, eps)
         self.self_attn = Attention(H, H, n_inj * cfg.query_group, n_inj, D)
         self.inject = KVInjector(cfg.kv_mode, n_inj, D)
+        self.recency = RecencyBias(n_inj * cfg.query_group, cfg.kv_recency) if cfg.kv_recency else None
         self.post_norm = RMSNorm(H, eps)
         self.mlp = MLP(H, cfg.intermediate_size)
 
@@ -73,9 +90,12 @@ class KVLayer(nn.Module):
         a = self.input_norm(x)  # [B, n, H]
         q = self.self_attn.query(a, cos, sin)  # [B, h, n, D]
         k, v = self.self_attn.key_value(a, cos, sin)  # [B, n_inj, n, D]
-        o = segmented_attention(
-            q, ctx.self_segments(li, k, v), ctx.recorder
-        )  # target KV + own KV, one softmax
+        segments = ctx.self_segments(li, k, v)
+        if self.recency is not None:
+            for s in segments:
+                if s.dist is not None:  # the target's KV
+                    s.bias = self.recency(s.dist)  # [h, n, S]
+        o = segmented_attention(q, segments, ctx.recorder)  # target KV + own KV, one softmax
         h = x + self.self_attn.out(o)  # [B, n, H]
         return h + self.mlp(self.post_norm(h))
 
@@ -84,7 +104,3 @@ class KVDrafter(TrainableDrafter):
     def __init__(self, cfg: DrafterConfig, target, d2t: Tensor):
         super().__init__(cfg, target, d2t)
         self.layers = nn.ModuleList(KVLayer(cfg) for _ in range(cfg.n_layers))
-
-    def inject(self, keys: Tensor, values: Tensor, positions: Tensor) -> dict[int, tuple[Tensor, Tensor]]:
-        cos, sin = self.rope(positions)
-        return {li: layer.inject(keys, values, cos, sin) for li, layer in enumerate(self.layers)}

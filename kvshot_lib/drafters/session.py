@@ -64,6 +64,7 @@ class TrainedDraftSession:
         self._rows = (0, 0)
         self._own_mask: Tensor | None = None
         self._tgt_mask: Tensor | None = None
+        self._q_pos = torch.zeros(0, dtype=torch.long, device=dev)  # positions of the queries being run
 
     # ------------------------------------------------------------------ the attention context the layers use
 
@@ -75,7 +76,10 @@ class TrainedDraftSession:
         self.own_v[li][:, :, r0:r1] = v
 
     def _target_segment(self, li: int, mask: Tensor | None) -> Segment:
-        return Segment(self.tgt_k[li][:, :, : self.n_tgt], self.tgt_v[li][:, :, : self.n_tgt], "dense", mask)
+        seg = Segment(self.tgt_k[li][:, :, : self.n_tgt], self.tgt_v[li][:, :, : self.n_tgt], "dense", mask)
+        keys = torch.arange(self.n_tgt, device=self._q_pos.device)
+        seg.dist = self._q_pos[:, None] - keys[None]  # [n, n_tgt] query position - key position
+        return seg
 
     def self_segments(self, li: int, k: Tensor, v: Tensor) -> list[Segment]:
         self._write_own(li, k, v)
@@ -127,12 +131,14 @@ class TrainedDraftSession:
                 else None
             )
             cos, sin = d.rope(positions)
+            self._q_pos = positions
             h = d.run_layers(x, emb, cos, sin, self)  # [1, n_new, H]
             self.n_own = P
         else:  # KV-only: the context is the target's KV; own K/V start at the root
             self._rows, self._own_mask, self.n_own = (0, 1), None, 0
             emb = d.embed(committed[:, P : P + 1])  # [1, 1, H]
-            cos, sin = d.rope(torch.tensor([P], device=self.anc.device))
+            self._q_pos = torch.tensor([P], device=self.anc.device)
+            cos, sin = d.rope(self._q_pos)
             h = d.run_layers(emb, emb, cos, sin, self)
             self.n_own = 1
         self.root_out = h[0, -1]  # [H]
@@ -170,6 +176,7 @@ class TrainedDraftSession:
         else:
             x = emb
         self._mode, self._rows = "tree", (self.n_own + m0, self.n_own + m1)
+        self._q_pos = positions
         cos, sin = d.rope(positions)
         h = d.run_layers(x, emb, cos, sin, self)[0]  # [n, H]
         self.node_out[m0:m1] = h

@@ -110,6 +110,7 @@ class UnrollContext:
         self.target_in_self = target_in_self
         self.recorder = recorder
         self.step = 0
+        self._dist: tuple[int, Tensor] | None = None
         self.own: dict[int, list[tuple[Tensor, Tensor]]] = defaultdict(list)
 
     def _mask(self) -> Tensor:
@@ -117,7 +118,17 @@ class UnrollContext:
 
     def _target_segment(self, layer: int) -> Segment:
         k, v = self.target_kv[layer]  # [B, kvH, T, D]
-        return Segment(k[:, :, : self.n], v[:, :, : self.n], "dense", self._mask(), ("target", layer))
+        seg = Segment(k[:, :, : self.n], v[:, :, : self.n], "dense", self._mask(), ("target", layer))
+        seg.dist = self._target_dist()
+        return seg
+
+    def _target_dist(self) -> Tensor:
+        """``[n, N]``: query position minus target key position (step k of branch i sits at ``i+1+k``)."""
+        if self._dist is None or self._dist[0] != self.step:
+            idx = torch.arange(self.n, device=self.causal.device)
+            rows = idx if self.step == 0 or self.branches is None else self.branches
+            self._dist = (self.step, (rows + 1 + self.step)[:, None] - idx[None])
+        return self._dist[1]
 
     def self_segments(self, layer: int, k: Tensor, v: Tensor) -> list[Segment]:
         steps = self.own[layer]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from ..drafters.config import KV_MODES, PARADIGMS, REGIMES
+from ..drafters.config import KV_MODES, PARADIGMS, REGIMES, TARGET_KV
 from .grad_probes import GROUPS
 
 
@@ -27,6 +27,8 @@ class TrainConfig:
     n_layers: int = 1
     kv_mode: str = "concat"  # "concat" | "linear" | "linear_rope"
     query_group: int | None = None  # queries per injected KV head; None = the target's GQA group
+    kv_recency: int = 0  # KV-only: window of the learned recency bias on the target-KV scores (0 = off)
+    target_kv: str = "real"  # "zeroed": the control, trained (and decoding) with every target K/V set to 0
     hidden_layers: list[int] | None = None  # None = EAGLE-3's (1, L/2-1, L-4)
     kv_layers: list[int] | None = None  # None = the same layers
     draft_vocab_size: int = 8192
@@ -102,6 +104,12 @@ class TrainConfig:
             )
         if self.kv_mode not in KV_MODES:
             bad(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}.")
+        if self.target_kv not in TARGET_KV:
+            bad(f"target_kv must be one of {TARGET_KV}, got {self.target_kv!r}.")
+        if self.target_kv != "real" and self.paradigm == "hidden":
+            bad("target_kv applies to drafters that read the target's KV (kv, hybrid), not to 'hidden'.")
+        if self.kv_recency < 0:
+            bad(f"kv_recency must be >= 0 (0 = no recency bias), got {self.kv_recency}.")
         top = 4 if self.paradigm == "kv" else 8
         if not 1 <= self.n_layers <= top:
             bad(f"n_layers must be in 1..{top} for the {self.paradigm} drafter, got {self.n_layers}.")

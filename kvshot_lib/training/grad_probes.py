@@ -42,7 +42,7 @@ def param_group(name: str) -> str:
         return "fusion"
     if ".gate." in name:
         return "gate"
-    if ".inject." in name:
+    if ".inject." in name or ".recency." in name:
         return "kv_inject"
     if ".k_proj." in name or ".v_proj." in name:
         return "kv_proj"

@@ -218,6 +218,8 @@ def _new_drafter(target, train_store, eval_store, cfg: TrainConfig, d2t: torch.T
         cfg.query_group,
         name=cfg.name,
         regime=cfg.regime,
+        kv_recency=cfg.kv_recency,
+        target_kv=cfg.target_kv,
     )
     for store, what in ((train_store, "training"), (eval_store, "held-out")):
         try:
