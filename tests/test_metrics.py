@@ -51,3 +51,12 @@ def test_acceptance_by_step_records_and_speedup():
     assert rows[1]["p_reach"] == pytest.approx(0.6) and rows[1]["n_attempts"] == 8
     assert metrics.speedup(30.0, 20.0) == pytest.approx(1.5)
     assert metrics.tokens_per_second(10, 2.0) == 5.0
+
+
+def test_retention_needs_enough_attempts_at_both_steps():
+    alpha = [0.5, 0.4, 0.4, 0.3, 0.3, 0.3, 0.2]
+    assert metrics.retention(alpha) == pytest.approx(0.2 / 0.5)
+    enough = [100, 50, 40, 30, 25, 22, 20]
+    assert metrics.retention(alpha, attempts=enough) == pytest.approx(0.4)
+    assert math.isnan(metrics.retention(alpha, attempts=[100, 50, 40, 30, 25, 22, 19]))
+    assert math.isnan(metrics.retention(alpha, attempts=enough, min_attempts=21))

@@ -137,7 +137,8 @@ class TrainableDrafter(nn.Module):
 
         Step 0 runs every branch (it also builds the hidden/hybrid drafters' own context cache). Steps
         ``>= 1`` run the branches ``branches [M]`` (sorted indices; ``None`` = all, which is EAGLE-3): a
-        random subset gives an unbiased loss for a fraction of the cost, each kept branch being exact.
+        random subset estimates the full loss for a fraction of the cost (each kept branch is exact; the
+        loss averaged over kept positions is a ratio estimator, close to but not exactly unbiased).
         """
         B, T = batch.ids.shape
         N = T - 1

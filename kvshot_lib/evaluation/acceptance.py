@@ -261,7 +261,8 @@ def acceptance_summary(runs: list[AcceptanceRun]) -> pd.DataFrame:
     """One row per drafter x mode x temperature: MAT, alpha_0, alpha_6, retention, cycles, tokens."""
     rows = []
     for run in runs:
-        alpha = metrics.alpha_conditional(*run.step_counts())
+        attempts, accepts = run.step_counts()
+        alpha = metrics.alpha_conditional(attempts, accepts)
         per_cycle = [a for r in run.results for a in r.accepted_per_cycle]
         rows.append(
             dict(
@@ -269,7 +270,8 @@ def acceptance_summary(runs: list[AcceptanceRun]) -> pd.DataFrame:
                 mat=metrics.mean_accepted_tokens(per_cycle),
                 alpha_0=alpha[0] if alpha else float("nan"),
                 alpha_6=alpha[6] if len(alpha) > 6 else float("nan"),
-                retention=metrics.retention(alpha),
+                retention=metrics.retention(alpha, attempts=attempts),  # NaN below 20 attempts
+                n_attempts_6=attempts[6] if len(attempts) > 6 else 0,
                 n_cycles=len(per_cycle),
                 n_generations=len(run.results),
                 n_tokens=sum(len(r.token_ids) for r in run.results),

@@ -60,9 +60,21 @@ def mean_accepted_tokens(accepted_per_cycle: Iterable[int]) -> float:
     return (sum(values) + len(values)) / len(values) if values else math.nan
 
 
-def retention(alpha: Sequence[float], late: int = 6, early: int = 0) -> float:
-    """alpha_late / alpha_early (NaN if either step is missing or alpha_early is 0)."""
+MIN_ATTEMPTS = 20  # a conditional alpha measured on fewer attempts is noise, not a rate
+
+
+def retention(
+    alpha: Sequence[float],
+    late: int = 6,
+    early: int = 0,
+    attempts: Sequence[int] | None = None,
+    min_attempts: int = MIN_ATTEMPTS,
+) -> float:
+    """alpha_late / alpha_early; NaN if either step is missing, alpha_early is 0, or (given ``attempts``)
+    either step was attempted fewer than ``min_attempts`` times."""
     if len(alpha) <= max(late, early) or not alpha[early] or math.isnan(alpha[early]):
+        return math.nan
+    if attempts is not None and min(attempts[late], attempts[early]) < min_attempts:
         return math.nan
     return alpha[late] / alpha[early]
 
