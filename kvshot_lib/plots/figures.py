@@ -90,6 +90,27 @@ SPECS = [
         _per_step_counts,
     ),
     FigureSpec(
+        "02_kv_ablation",
+        "02_train_drafters",
+        ("kv_ablation.csv",),
+        lambda t: training.plot_kv_ablation(t["kv_ablation.csv"]),
+        {
+            "kv_ablation.csv": [
+                "drafter",
+                "paradigm",
+                "regime",
+                "trained_with",
+                "condition",
+                "draft_step",
+                "accuracy",
+                "n",
+            ]
+        },
+        lambda t: (
+            f"each point: {_n_range(t['kv_ablation.csv']['n'])} held-out positions; band: 95% Wilson interval"
+        ),
+    ),
+    FigureSpec(
         "02_training_curves",
         "02_train_drafters",
         ("training_history.csv",),

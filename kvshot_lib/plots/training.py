@@ -89,6 +89,56 @@ def plot_per_step_accuracy(per_step: pd.DataFrame):
     return fig
 
 
+CONDITION_STYLES = {"real": "-", "shuffled": "--", "zeroed": ":"}
+
+
+def plot_kv_ablation(table: pd.DataFrame):
+    """One panel per KV-reading drafter: held-out accuracy by draft step with the target KV real, shuffled
+    (another conversation's) and zeroed, with 95% Wilson bands; a drafter trained with the KV zeroed (the
+    control) is drawn in grey in the panel of the drafter it controls."""
+    trained = table[table["trained_with"] == "real"]
+    controls = table[(table["trained_with"] == "zeroed") & (table["condition"] == "real")]
+    names = list(dict.fromkeys(trained["drafter"]))
+    fig, axes = plt.subplots(1, max(1, len(names)), figsize=(PAGE, 2.6), sharey=True, squeeze=False)
+    for ax, name in zip(axes[0], names):
+        d = trained[trained["drafter"] == name]
+        color = drafter_color(name, d["paradigm"].iloc[0])
+        for condition, c in d.groupby("condition", sort=False):
+            c = c.sort_values("draft_step")
+            ax.plot(
+                c["draft_step"],
+                c["accuracy"],
+                ls=CONDITION_STYLES.get(condition, "-"),
+                color=color,
+                marker="o",
+                label=f"KV {condition}",
+            )
+            lo, hi = wilson_interval(c["accuracy"], c["n"])
+            ax.fill_between(c["draft_step"], lo, hi, color=color, alpha=0.15, lw=0)
+        same = controls[
+            (controls["paradigm"] == d["paradigm"].iloc[0]) & (controls["regime"] == d["regime"].iloc[0])
+        ]
+        for cname, c in same.groupby("drafter", sort=False):
+            c = c.sort_values("draft_step")
+            ax.plot(
+                c["draft_step"],
+                c["accuracy"],
+                color=drafter_color("none"),
+                marker="s",
+                label=f"control: {cname}\n(trained with KV zeroed)",
+            )
+            lo, hi = wilson_interval(c["accuracy"], c["n"])
+            ax.fill_between(c["draft_step"], lo, hi, color=drafter_color("none"), alpha=0.2, lw=0)
+        ax.set_title(name)
+        ax.set_xlabel("draft step k")
+        ax.set_ylim(0, None)
+        ax.legend(frameon=False)
+    axes[0][0].set_ylabel("held-out accuracy at draft step k")
+    fig.suptitle("Does the drafter read what the target's KV holds? (same held-out positions)")
+    fig.tight_layout()
+    return fig
+
+
 def plot_heldout_over_training(evals: pd.DataFrame, steps: tuple[int, ...] = (0, 3, 6)):
     """Held-out accuracy at a few draft steps over the course of training, per drafter."""
     steps = [k for k in steps if f"acc_{k}" in evals]

@@ -24,6 +24,7 @@ from .grad_probes import (
     spearman,
 )
 from .heldout import EvalSet, combined_table, evaluate_per_step, gate_summary, per_step_table, training_times
+from .kv_ablation import KV_CONDITIONS, kv_ablation_table, with_target_kv, zero_target_kv
 from .loop import (
     LOG_TABLES,
     Objective,
@@ -38,6 +39,7 @@ from .losses import branch_valid, regime_loss, sample_branches, step_mask
 
 __all__ = [
     "GROUPS",
+    "KV_CONDITIONS",
     "LOG_TABLES",
     "PROBE_TABLES",
     "EvalSet",
@@ -57,6 +59,7 @@ __all__ = [
     "gate_summary",
     "grad_stats",
     "grouped_parameters",
+    "kv_ablation_table",
     "kv_gradient_summary",
     "load_probe_tables",
     "make_accelerator",
@@ -71,4 +74,6 @@ __all__ = [
     "target_sequence",
     "train_drafter",
     "training_times",
+    "with_target_kv",
+    "zero_target_kv",
 ]
