@@ -8,20 +8,22 @@ from kvshot_lib.drafters.base import DraftSession
 from kvshot_lib.drafters.session import TrainedDraftSession
 from kvshot_lib.training import batch_from_target
 
-# (paradigm, kv_mode, n_layers, kv_recency): the last KV variant also biases its target-KV scores by distance
+# (paradigm, kv_mode, n_layers, extra config): the last KV variants bias their target-KV scores by distance
+# and give the target's KV a softmax of its own
 VARIANTS = [
-    ("hidden", "concat", 2, 0),
-    ("kv", "concat", 1, 0),
-    ("kv", "linear_rope", 2, 0),
-    ("hybrid", "linear", 2, 0),
-    ("kv", "concat", 2, 3),
+    ("hidden", "concat", 2, {}),
+    ("kv", "concat", 1, {}),
+    ("kv", "linear_rope", 2, {}),
+    ("hybrid", "linear", 2, {}),
+    ("kv", "concat", 2, {"kv_recency": 3}),
+    ("kv", "linear", 2, {"kv_recency": 3, "kv_softmax": "separate"}),
 ]
 ATOL = 2e-5
 
 
-def drafter(target, paradigm, mode, n_layers, kv_recency=0):
+def drafter(target, paradigm, mode, n_layers, extra=None):
     cfg = drafter_config_for(
-        target, paradigm, n_layers=n_layers, kv_mode=mode, draft_vocab_size=512, kv_recency=kv_recency
+        target, paradigm, n_layers=n_layers, kv_mode=mode, draft_vocab_size=512, **(extra or {})
     )
     d = build_drafter(cfg, target, torch.arange(512) * 3, seed=0)
     with torch.no_grad():  # leave the identity/zero initializations so that every path matters
@@ -45,10 +47,10 @@ def ids():
     return torch.randint(0, 3000, (16,), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("paradigm,mode,n_layers,recency", VARIANTS)
-def test_session_matches_training_unroll(tiny_target, ids, paradigm, mode, n_layers, recency):
+@pytest.mark.parametrize("paradigm,mode,n_layers,extra", VARIANTS)
+def test_session_matches_training_unroll(tiny_target, ids, paradigm, mode, n_layers, extra):
     """On both target families (Llama, Qwen3): decode-time logits equal the training unroll's, step by step."""
-    d = drafter(tiny_target, paradigm, mode, n_layers, recency)
+    d = drafter(tiny_target, paradigm, mode, n_layers, extra)
     K, T = 4, len(ids)
     with torch.no_grad():
         un = d(batch_from_target(tiny_target, ids, torch.ones(T, dtype=torch.bool), d.cfg), K)
@@ -65,9 +67,9 @@ def test_session_matches_training_unroll(tiny_target, ids, paradigm, mode, n_lay
             torch.testing.assert_close(got[k], train_logits[k][i], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("paradigm,mode,n_layers,recency", VARIANTS)
-def test_tree_and_cycles(tiny_llama, ids, paradigm, mode, n_layers, recency):
-    d = drafter(tiny_llama, paradigm, mode, n_layers, recency)
+@pytest.mark.parametrize("paradigm,mode,n_layers,extra", VARIANTS)
+def test_tree_and_cycles(tiny_llama, ids, paradigm, mode, n_layers, extra):
+    d = drafter(tiny_llama, paradigm, mode, n_layers, extra)
     a, b, c, e = 11, 22, 33, 44
     s = d.new_session()
     s.start_cycle(ids[None, :8], view(tiny_llama, ids[:8]))

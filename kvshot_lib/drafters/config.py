@@ -13,7 +13,11 @@ from dataclasses import asdict, dataclass, field, fields
 PARADIGMS = ("hidden", "kv", "hybrid")
 KV_MODES = ("concat", "linear", "linear_rope")
 REGIMES = ("tf", "ttt", "block")
-TARGET_KV = ("real", "zeroed")  # what a KV-reading drafter is given: the target's K/V, or zeros (a control)
+TARGET_KV = ("real", "zeroed")
+KV_SOFTMAX = (
+    "shared",
+    "separate",
+)  # KV-only: target and own K/V in one softmax, or one softmax each  # what a KV-reading drafter is given: the target's K/V, or zeros (a control)
 FORMAT = "kvshot-drafter/1"
 
 
@@ -48,6 +52,9 @@ class DrafterConfig:
     target_n_layers: int
     kv_recency: int = 0  # KV-only: window W of the learned recency bias on target-KV scores (0 = none)
     target_kv: str = "real"  # KV-reading drafters: "real", or "zeroed" (the control: every target K/V is 0)
+    kv_softmax: str = (
+        "shared"  # KV-only: one softmax over target + own K/V ("shared"), or one each ("separate")
+    )
     vocab_hash: str = ""
     name: str = ""
     regime: str = ""
@@ -86,6 +93,8 @@ class DrafterConfig:
             bad(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}.")
         if self.target_kv not in TARGET_KV:
             bad(f"target_kv must be one of {TARGET_KV}, got {self.target_kv!r}.")
+        if self.kv_softmax not in KV_SOFTMAX:
+            bad(f"kv_softmax must be one of {KV_SOFTMAX}, got {self.kv_softmax!r}.")
         top = 4 if self.paradigm == "kv" else 8
         if not isinstance(self.n_layers, int) or not 1 <= self.n_layers <= top:
             bad(
@@ -116,7 +125,17 @@ class DrafterConfig:
             n
             for n in names
             if n not in d
-            and n not in ("kv_recency", "target_kv", "vocab_hash", "name", "regime", "format", "extra")
+            and n
+            not in (
+                "kv_recency",
+                "target_kv",
+                "kv_softmax",
+                "vocab_hash",
+                "name",
+                "regime",
+                "format",
+                "extra",
+            )
         )
         if missing:
             raise DrafterConfigError(f"drafter config lacks {missing}; it is not a {FORMAT} config.")
@@ -149,6 +168,7 @@ def drafter_config_for(
     regime: str = "",
     kv_recency: int = 0,
     target_kv: str = "real",
+    kv_softmax: str = "shared",
 ) -> DrafterConfig:
     """A drafter config whose widths follow the target's (as EAGLE-3 does). ``target`` is a loaded Target."""
     info = target.info
@@ -179,6 +199,7 @@ def drafter_config_for(
         target_n_layers=info.n_layers,
         kv_recency=kv_recency if paradigm == "kv" else 0,
         target_kv=target_kv,
+        kv_softmax=kv_softmax,
         name=name,
         regime=regime,
     )

@@ -61,14 +61,18 @@ class KVInjector(nn.Module):
 class RecencyBias(nn.Module):
     """A learned additive score bias per query head and distance to a target key: ``b[h, min(d, W+1) - 1]``.
 
-    Distance ``d >= 1`` is the query's position minus the key's. The last bucket holds every ``d > W``.
-    It starts at zero (no bias); it lets a query with no context of its own find the most recent target
-    positions, which a query computed from one token embedding can hardly do through RoPE alone."""
+    Distance ``d >= 1`` is the query's position minus the key's; the last bucket holds every ``d > W``. It
+    starts as ALiBi's linear penalty ``-m_h (d - 1)`` with slopes ``m_h`` spread geometrically over the heads
+    from 1 (a head that reads the last few positions) down to 1/256 (nearly global), and is learned from
+    there: a query computed from one token embedding cannot find the most recent target positions through
+    RoPE alone, and Adam's small steps would take thousands of updates to grow such a bias from zero."""
 
     def __init__(self, n_heads: int, window: int):
         super().__init__()
         self.window = window
-        self.table = nn.Parameter(torch.zeros(n_heads, window + 1))
+        slopes = 2.0 ** (-8.0 * torch.arange(n_heads) / max(n_heads - 1, 1))  # [h] from 1 to 1/256
+        dist = torch.arange(window + 1, dtype=torch.float32)  # d - 1 for buckets 0..W
+        self.table = nn.Parameter(-slopes[:, None] * dist[None])  # [h, W+1]
 
     def forward(self, dist: Tensor) -> Tensor:  # [n, S] long -> [h, n, S]
         return self.table[:, (dist - 1).clamp(0, self.window)]
@@ -83,6 +87,7 @@ class KVLayer(nn.Module):
         self.self_attn = Attention(H, H, n_inj * cfg.query_group, n_inj, D)
         self.inject = KVInjector(cfg.kv_mode, n_inj, D)
         self.recency = RecencyBias(n_inj * cfg.query_group, cfg.kv_recency) if cfg.kv_recency else None
+        self.separate = cfg.kv_softmax == "separate"
         self.post_norm = RMSNorm(H, eps)
         self.mlp = MLP(H, cfg.intermediate_size)
 
@@ -90,12 +95,15 @@ class KVLayer(nn.Module):
         a = self.input_norm(x)  # [B, n, H]
         q = self.self_attn.query(a, cos, sin)  # [B, h, n, D]
         k, v = self.self_attn.key_value(a, cos, sin)  # [B, n_inj, n, D]
-        segments = ctx.self_segments(li, k, v)
+        segments = ctx.self_segments(li, k, v)  # the target's KV first, then the drafter's own
         if self.recency is not None:
-            for s in segments:
-                if s.dist is not None:  # the target's KV
-                    s.bias = self.recency(s.dist)  # [h, n, S]
-        o = segmented_attention(q, segments, ctx.recorder)  # target KV + own KV, one softmax
+            segments[0].bias = self.recency(segments[0].dist)  # [h, n, S]
+        if self.separate and segments[0].k.shape[2]:  # a softmax over the target's KV, another over its own
+            o = segmented_attention(q, segments[:1], ctx.recorder) + segmented_attention(
+                q, segments[1:], ctx.recorder
+            )
+        else:  # target KV + own KV, one softmax
+            o = segmented_attention(q, segments, ctx.recorder)
         h = x + self.self_attn.out(o)  # [B, n, H]
         return h + self.mlp(self.post_norm(h))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from ..drafters.config import KV_MODES, PARADIGMS, REGIMES, TARGET_KV
+from ..drafters.config import KV_MODES, KV_SOFTMAX, PARADIGMS, REGIMES, TARGET_KV
 from .grad_probes import GROUPS
 
 
@@ -29,6 +29,7 @@ class TrainConfig:
     query_group: int | None = None  # queries per injected KV head; None = the target's GQA group
     kv_recency: int = 0  # KV-only: window of the learned recency bias on the target-KV scores (0 = off)
     target_kv: str = "real"  # "zeroed": the control, trained (and decoding) with every target K/V set to 0
+    kv_softmax: str = "shared"  # KV-only: "separate" gives the target's KV its own softmax
     hidden_layers: list[int] | None = None  # None = EAGLE-3's (1, L/2-1, L-4)
     kv_layers: list[int] | None = None  # None = the same layers
     draft_vocab_size: int = 8192
@@ -108,6 +109,8 @@ class TrainConfig:
             bad(f"target_kv must be one of {TARGET_KV}, got {self.target_kv!r}.")
         if self.target_kv != "real" and self.paradigm == "hidden":
             bad("target_kv applies to drafters that read the target's KV (kv, hybrid), not to 'hidden'.")
+        if self.kv_softmax not in KV_SOFTMAX:
+            bad(f"kv_softmax must be one of {KV_SOFTMAX}, got {self.kv_softmax!r}.")
         if self.kv_recency < 0:
             bad(f"kv_recency must be >= 0 (0 = no recency bias), got {self.kv_recency}.")
         top = 4 if self.paradigm == "kv" else 8

@@ -220,6 +220,7 @@ def _new_drafter(target, train_store, eval_store, cfg: TrainConfig, d2t: torch.T
         regime=cfg.regime,
         kv_recency=cfg.kv_recency,
         target_kv=cfg.target_kv,
+        kv_softmax=cfg.kv_softmax,
     )
     for store, what in ((train_store, "training"), (eval_store, "held-out")):
         try:
