@@ -276,24 +276,31 @@ def plot_attention_mass(mass: pd.DataFrame):
 
 
 def plot_remedies(per_step: pd.DataFrame, probes: pd.DataFrame | None = None):
-    """The remedy experiment: held-out per-step accuracy per remedy, and the K/V-projection gradient it saw."""
+    """The remedy experiment: held-out per-step accuracy per remedy (mean over seeds, with each seed's
+    curve faint and the min–max band), and the K/V-projection gradient it saw (seed 0)."""
     n = 2 if probes is not None else 1
     fig, axes = plt.subplots(1, n, figsize=(PAGE / 2 * n, 2.6), squeeze=False)
     cmap = plt.get_cmap("tab10")  # remedies of one drafter: told apart by colour, not paradigm
-    for i, (name, d) in enumerate(per_step.groupby("drafter", sort=False)):
-        d = d.sort_values("draft_step")
-        axes[0][0].plot(d["draft_step"], d["accuracy"], marker="o", color=cmap(i), label=name)
+    by = "remedy" if "remedy" in per_step else "drafter"
+    for i, (name, d) in enumerate(per_step.groupby(by, sort=False)):
+        steps = d.groupby("draft_step")["accuracy"]
+        n_seeds = d["drafter"].nunique()
+        mean = steps.mean()
+        axes[0][0].plot(mean.index, mean.values, marker="o", color=cmap(i), label=f"{name} ({n_seeds} seeds)")
+        if n_seeds > 1:
+            axes[0][0].fill_between(
+                mean.index, steps.min().values, steps.max().values, color=cmap(i), alpha=0.15, lw=0
+            )
         if probes is not None:
-            p = probes[(probes["drafter"] == name) & (probes["group"] == "kv_proj")].sort_values("step")
+            first = d["drafter"].iloc[0]
+            p = probes[(probes["drafter"] == first) & (probes["group"] == "kv_proj")].sort_values("step")
             axes[0][1].plot(p["step"], p["rms"], color=cmap(i), label=name)
     axes[0][0].set_xlabel("draft step k")
-    axes[0][0].set_ylabel("held-out accuracy")
+    axes[0][0].set_ylabel("held-out accuracy\n(mean over seeds; band: min–max)")
     axes[0][0].legend(frameon=False)
-    axes[0][0].grid(alpha=0.3)
     if probes is not None:
         axes[0][1].set_yscale("log")
         axes[0][1].set_xlabel("optimizer step")
         axes[0][1].set_ylabel("kv_proj gradient RMS (before any scaling)")
-        axes[0][1].grid(alpha=0.3)
     fig.tight_layout()
     return fig
