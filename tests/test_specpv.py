@@ -110,12 +110,14 @@ def test_block_scores_bound_the_true_dot_products():
         true_max = (blocks[h // 2] @ q[h, 0]).amax(-1)  # [nb]
         per_head = (q[h, 0].clamp(min=0) * kmax[h // 2] + q[h, 0].clamp(max=0) * kmin[h // 2]).sum(-1)
         assert (per_head >= true_max - 1e-5).all()
-    group = lambda k: torch.stack(
-        [  # noqa: E731
+
+    def group(k):  # the mean of Quest's bound over the two query heads of KV head k
+        bounds = [
             (q[2 * k + j, 0].clamp(min=0) * kmax[k] + q[2 * k + j, 0].clamp(max=0) * kmin[k]).sum(-1)
             for j in range(2)
         ]
-    ).mean(0)
+        return torch.stack(bounds).mean(0)
+
     assert torch.allclose(quest, torch.stack([group(0), group(1)]), atol=1e-5)
     assert (vector <= quest + 1e-5).all()
     more = torch.cat([keys, torch.randn(1, kvH, 16, D, generator=g)], 2)  # a block completes: incremental
@@ -140,7 +142,7 @@ def test_complete_budget_gives_full_logits_and_plain_output(name, llama, qwen3):
     ):
         steps = []
 
-        def probe(step):
+        def probe(step, steps=steps):
             full_logits, _ = shadow_full(step)
             scale = full_logits.abs().max().item()
             steps.append((step.logits - full_logits).abs().max().item() / scale)
