@@ -13,7 +13,7 @@ It hands token ids to decoding and evaluation, and feature stores to training.
 
 from .chat import answer_text, chat_prompt_ids, encode_conversation, render_masked, tokenizer_fingerprint
 from .features import FeatureStore, FeatureStoreMismatch, default_store_dir, extract_features
-from .long_context import LongPrompt, long_prompts
+from .long_context import LongPrompt, context_lengths, long_prompts
 from .mtbench import MTBenchQuestion, load_mtbench, mtbench_messages
 from .sharegpt import (
     TokenizedSplit,
@@ -34,6 +34,7 @@ __all__ = [
     "TokenizedSplit",
     "answer_text",
     "chat_prompt_ids",
+    "context_lengths",
     "conversation_table",
     "default_store_dir",
     "encode_conversation",

@@ -130,3 +130,12 @@ def long_prompts(
         )
         path.write_text(json.dumps(blob))
     return prompts
+
+
+def context_lengths(requested, max_context: int, reserve: int) -> list[int]:
+    """The requested prompt lengths that leave ``reserve`` tokens (new tokens and drafts) in the target's
+    context, each capped at ``max_context - reserve``; duplicates after capping are dropped."""
+    cap = max_context - reserve
+    if cap < 64:
+        raise ValueError(f"the target's {max_context}-token context leaves no room for a long prompt.")
+    return sorted({min(int(n), cap) for n in requested})

@@ -91,6 +91,19 @@ def forward_costs(
     return pd.DataFrame(out)
 
 
+class ForwardCostProbe:
+    """An ``on_prefill`` hook for :func:`~kvshot_lib.evaluation.specpv_speed.run_speed`: times
+    :func:`forward_costs` once, on the cache of the first prompt of ``context`` tokens (``table``)."""
+
+    def __init__(self, target, lengths, context: int, block_cfg: PartialKVConfig | None = None):
+        self.target, self.lengths, self.context, self.block_cfg = target, list(lengths), context, block_cfg
+        self.table: pd.DataFrame | None = None
+
+    def __call__(self, context: int, prompt: int, pre: Prefill) -> None:
+        if context == self.context and self.table is None:
+            self.table = forward_costs(self.target, pre, self.lengths, block_cfg=self.block_cfg)
+
+
 def fit_costs(costs: pd.DataFrame) -> dict:
     """Least-squares fit of ``t(L, n) = c0 + c1 n + c2 L + c3 L n`` and ``r(L) = r0 + r1 L``."""
     f = costs[costs.what == "forward"]
@@ -162,8 +175,9 @@ def cost_model_table(speed: pd.DataFrame, fit: dict, lengths) -> tuple[pd.DataFr
     """Per SpecPV setting of the speed table: the crossover on this CPU and, by the model, on an H100 with
     a Qwen3-8B-sized target (with and without framework overhead); and the predicted per-token times over
     ``lengths`` (long form, for the figure). Drafting time, draft nodes and MATs come from the measured
-    rows, pooled over contexts."""
+    rows of the table's first drafter, pooled over contexts."""
     rows, curves = [], []
+    speed = speed[speed.drafter == speed.drafter.iloc[0]] if "drafter" in speed else speed
     lossless = speed[speed.method == "lossless"]
     cycles = max(lossless.cycles_full.sum(), 1)
     mat_full = float((lossless.accepted_full.sum() + cycles) / cycles)
@@ -172,7 +186,7 @@ def cost_model_table(speed: pd.DataFrame, fit: dict, lengths) -> tuple[pd.DataFr
     for (budget, full_every), g in speed[speed.method == "specpv"].groupby(["budget", "full_every"]):
         mat_p = float(g.accepted_partial.sum() / max(g.cycles_partial.sum(), 1) + 1)
         models = {
-            "cpu (fitted)": (cpu_forward(fit), cpu_refresh(fit), draft_s),
+            "this CPU (fitted)": (cpu_forward(fit), cpu_refresh(fit), draft_s),
             "H100 Qwen3-8B, HF overhead": (
                 gpu_forward(overhead=True),
                 gpu_refresh(budget),

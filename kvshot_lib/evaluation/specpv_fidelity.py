@@ -117,9 +117,11 @@ def run_fidelity(
     modes=("specpv",),
     base: SpecPVConfig | None = None,
     progress: bool = True,
+    prefills: dict | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Greedy SpecPV on every prompt (``{context length: [prompt ids]}``) for every budget × P × mode,
-    against plain greedy decoding. Returns the per-generation table and the per-row probe table."""
+    against plain greedy decoding. Returns the per-generation table and the per-row probe table.
+    ``prefills``: a dict shared with :func:`~.specpv_speed.run_speed` to prefill each prompt once."""
     cfg = replace(cfg, temperature=0.0).validate()
     base = base or SpecPVConfig()
     tok = target.tokenizer
@@ -128,7 +130,7 @@ def run_fidelity(
     grid = [(b, p, m) for b in budgets for p in full_everys for m in modes]
     todo = [(ctx, i, ids) for ctx, group in prompts.items() for i, ids in enumerate(group)]
     for ctx, i, ids in tqdm(todo, desc="SpecPV fidelity", disable=not progress):
-        pre = prefill_prompt(target, ids, layers)
+        pre = shared_prefill(prefills, target, ids, layers)
         reference = autoregressive_generate(target, ids, replace(cfg, mode="ar"), prefill=pre).token_ids
         ref_text = tok.decode(reference, skip_special_tokens=True)
         for budget, full_every, mode in grid:
@@ -156,6 +158,18 @@ def run_fidelity(
             )
         del pre
     return pd.DataFrame(runs), pd.DataFrame(steps)
+
+
+def shared_prefill(store: dict | None, target, ids: list[int], layers: tuple[int, ...]):
+    """The :class:`~kvshot_lib.decoding.engine.Prefill` of ``ids`` with ``layers``' hidden states, from
+    ``store`` when it holds one (else computed, and kept there when ``store`` is a dict)."""
+    key = (tuple(ids), tuple(layers))
+    if store is not None and key in store:
+        return store[key]
+    pre = prefill_prompt(target, ids, layers)
+    if store is not None:
+        store[key] = pre
+    return pre
 
 
 def mat_by_kind(accepted_per_cycle: list[int], cycle_kind: list[str]) -> dict:

@@ -24,10 +24,10 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding.engine import DecodeConfig, generate, prefill_prompt
+from ..decoding.engine import DecodeConfig, generate
 from ..decoding.specpv import SpecPVConfig
 from . import metrics
-from .specpv_fidelity import first_divergence, mat_by_kind
+from .specpv_fidelity import first_divergence, mat_by_kind, shared_prefill
 
 
 def speed_plan(budgets, full_everys, modes) -> list[tuple[str, int | None, int | None]]:
@@ -57,8 +57,13 @@ def run_speed(
     modes=("specpv",),
     base: SpecPVConfig | None = None,
     progress: bool = True,
+    on_prefill=None,
+    prefills: dict | None = None,
 ) -> pd.DataFrame:
-    """One row per (context, prompt, method, budget, P): tokens, decode seconds, phase times, cycles."""
+    """One row per (context, prompt, method, budget, P): tokens, decode seconds, phase times, cycles.
+    ``on_prefill(context, prompt index, Prefill)`` runs after each prompt's prefill (e.g. to time forwards
+    on that real cache for the cost model). ``prefills``: shared with :func:`~.specpv_fidelity.run_fidelity`
+    so that each prompt is prefilled once (the prefill is timed where it ran and charged to every method)."""
     base = base or SpecPVConfig()
     plan = speed_plan(budgets, full_everys, modes)
     for _m, b, p in plan:  # validate every setting before the first prefill
@@ -68,7 +73,9 @@ def run_speed(
     todo = [(ctx, i, ids) for ctx, group in prompts.items() for i, ids in enumerate(group)]
     rows = []
     for n, (ctx, i, ids) in enumerate(tqdm(todo, desc="SpecPV speed", disable=not progress)):
-        pre = prefill_prompt(target, ids, layers)
+        pre = shared_prefill(prefills, target, ids, layers)
+        if on_prefill is not None:
+            on_prefill(ctx, i, pre)
         if n == 0:  # untimed warm-up of every code path
             for m, b, p in plan:
                 _run(target, drafter, ids, replace(cfg, max_new_tokens=4), m, b, p, base, pre)
@@ -78,7 +85,9 @@ def run_speed(
             reference = out.token_ids if m == "ar" else reference
             rows.append(_row(out, ctx, i, m, b, p, reference))
         del pre
-    return pd.DataFrame(rows)
+    rows = pd.DataFrame(rows)
+    rows.insert(0, "drafter", getattr(drafter, "name", "none"))
+    return rows
 
 
 def _row(out, ctx, i, method, budget, full_every, reference) -> dict:
@@ -95,7 +104,7 @@ def _row(out, ctx, i, method, budget, full_every, reference) -> dict:
         prefill_s=out.prefill_s,
         draft_s=out.draft_s,
         partial_s=out.partial_s if partial else 0.0,
-        full_s=out.full_s if partial else (out.verify_s if method != "ar" else 0.0),
+        full_s=out.full_s if partial else out.verify_s,  # plain decoding: every forward is a full one
         refresh_s=out.refresh_s if partial else 0.0,
         n_partial=out.n_partial if partial else 0,
         n_full=out.n_full if partial else (out.n_cycles or len(out.token_ids) - 1),
@@ -113,9 +122,10 @@ def _row(out, ctx, i, method, budget, full_every, reference) -> dict:
 
 
 def speed_table(rows: pd.DataFrame, machine: str) -> pd.DataFrame:
-    """One row per context × method × budget × P: decode tokens/s, ratios to ``ar`` and ``lossless`` of
-    the same context (same run), phase seconds per token, MAT over partial / full cycles (bonus counted)."""
-    keys = ["context", "method", "budget", "full_every"]
+    """One row per drafter × context × method × budget × P: decode tokens/s, ratios to ``ar`` and
+    ``lossless`` of the same drafter and context (same run), phase milliseconds per token, MAT over partial
+    and over full cycles (bonus counted in both)."""
+    keys = ["drafter", "context", "method", "budget", "full_every"]
     sums = rows.groupby(keys, as_index=False, sort=False)[
         [
             "n_tokens",
@@ -140,8 +150,11 @@ def speed_table(rows: pd.DataFrame, machine: str) -> pd.DataFrame:
     sums["exact_match_vs_ar"] = rows.groupby(keys, sort=False)["exact_match_vs_ar"].mean().values
     sums["tokens_per_s"] = [metrics.tokens_per_second(n, s) for n, s in zip(sums.n_tokens, sums.decode_s)]
     for base in ("ar", "lossless"):
-        ref = sums[sums.method == base].set_index("context")["tokens_per_s"]
-        sums[f"speedup_vs_{base}"] = sums.tokens_per_s / sums.context.map(ref)
+        ref = sums[sums.method == base].set_index(["drafter", "context"])["tokens_per_s"]
+        sums[f"speedup_vs_{base}"] = [
+            tps / ref.get((d, c), math.nan)
+            for d, c, tps in zip(sums.drafter, sums.context, sums.tokens_per_s)
+        ]
     for phase in ("draft_s", "partial_s", "full_s", "refresh_s"):
         sums[f"{phase[:-2]}_ms_per_token"] = 1000 * sums[phase] / sums.n_tokens
     for kind in ("partial", "full"):
