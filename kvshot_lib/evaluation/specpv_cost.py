@@ -105,14 +105,17 @@ class ForwardCostProbe:
 
 
 def fit_costs(costs: pd.DataFrame) -> dict:
-    """Least-squares fit of ``t(L, n) = c0 + c1 n + c2 L + c3 L n`` and ``r(L) = r0 + r1 L``."""
+    """Non-negative least-squares fit of ``t(L, n) = c0 + c1 n + c2 L + c3 L n`` and ``r(L) = r0 + r1 L``
+    (every term is a cost, so none may be negative; that also keeps extrapolation to long contexts sane)."""
+    from scipy.optimize import nnls
+
     f = costs[costs.what == "forward"]
     X = np.stack([np.ones(len(f)), f.rows, f.length, f.length * f.rows], 1).astype(float)
-    c = np.linalg.lstsq(X, f.seconds.to_numpy(float), rcond=None)[0]
+    scale = X.max(0)  # columns of very different sizes: fit on columns scaled to [0, 1]
+    c = nnls(X / scale, f.seconds.to_numpy(float))[0] / scale
     r = costs[costs.what == "refresh"]
-    rr = np.linalg.lstsq(
-        np.stack([np.ones(len(r)), r.length], 1).astype(float), r.seconds.to_numpy(float), rcond=None
-    )[0]
+    R = np.stack([np.ones(len(r)), r.length], 1).astype(float)
+    rr = nnls(R / R.max(0), r.seconds.to_numpy(float))[0] / R.max(0)
     return dict(c0=c[0], c1=c[1], c2=c[2], c3=c[3], r0=rr[0], r1=rr[1])
 
 
