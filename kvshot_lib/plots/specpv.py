@@ -57,6 +57,7 @@ def plot_fidelity(runs: pd.DataFrame):
             palette=pal,
             marker="o",
             errorbar=("ci", 95),
+            seed=0,  # the bootstrap is seeded: a redraw gives the same bytes
             ax=ax,
             legend=ax is axes[-1],
         )
@@ -86,6 +87,7 @@ def plot_drift(steps: pd.DataFrame):
             hue="budget",
             palette=pal,
             errorbar=("ci", 95),
+            seed=0,  # the bootstrap is seeded: a redraw gives the same bytes
             ax=ax,
             legend=ax is axes[-1],
         )
