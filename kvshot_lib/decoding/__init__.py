@@ -3,7 +3,10 @@
 * :func:`generate` decodes a prompt plainly (``ar``), with a chain of drafts, or with an EAGLE-2 dynamic
   tree (:class:`DecodeConfig`), verifying greedily or with the rejection-sampling rule (:mod:`.sampling`);
 * :mod:`.tree` drafts one cycle through a drafter's session; :mod:`.kernels` holds the small-batch matmul
-  that makes verifying a block cheap on a CPU.
+  that makes verifying a block cheap on a CPU;
+* :mod:`.specpv` verifies against a partial KV cache (:mod:`.partial_kv`: sinks, retrieved blocks, a
+  window, a buffer) with a full pass every P tokens (SpecPV), optionally strict (lossless);
+  ``generate(..., partial=SpecPVConfig(...))``.
 
 It hands :class:`GenerationResult` objects (tokens, accepted tokens per cycle, per-step counts, timings) to
 evaluation.
@@ -13,14 +16,17 @@ from .engine import (
     MODES,
     DecodeConfig,
     GenerationResult,
+    Prefill,
     autoregressive_generate,
     generate,
     keep_block_positions,
+    prefill_prompt,
     speculative_generate,
     verify_sampled_chain,
     walk_tree,
 )
 from .kernels import small_batch_linear
+from .partial_kv import PartialKVCache, PartialKVConfig, block_scores, compact_attention
 from .sampling import (
     accept_draft_tokens,
     check_sampling_args,
@@ -29,6 +35,7 @@ from .sampling import (
     residual_probs,
     sample,
 )
+from .specpv import SpecPVConfig, SpecPVResult, specpv_generate
 from .tree import DraftTree, draft_chain, draft_dynamic_tree
 
 __all__ = [
@@ -36,18 +43,27 @@ __all__ = [
     "DecodeConfig",
     "DraftTree",
     "GenerationResult",
+    "PartialKVCache",
+    "PartialKVConfig",
+    "Prefill",
+    "SpecPVConfig",
+    "SpecPVResult",
     "accept_draft_tokens",
     "autoregressive_generate",
+    "block_scores",
+    "compact_attention",
     "check_sampling_args",
     "draft_chain",
     "draft_dynamic_tree",
     "generate",
     "keep_block_positions",
     "logits_to_probs",
+    "prefill_prompt",
     "rejection_sample",
     "residual_probs",
     "sample",
     "small_batch_linear",
+    "specpv_generate",
     "speculative_generate",
     "verify_sampled_chain",
     "walk_tree",

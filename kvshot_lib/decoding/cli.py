@@ -2,10 +2,12 @@
 
     kvshot generate --drafter ngram --mode chain --mt-bench 1 --max-new-tokens 64 --json
     kvshot generate --drafter runs/default/drafters/kv-ttt --mode tree --prompt "Why is the sky blue?"
+    kvshot generate --drafter ngram --verify partial --budget 512 --full-every 32 [--strict] --long-context 4096
 
 Arguments are checked before the target is loaded: an unknown drafter, a drafter path that is not a
-checkpoint folder, a drafter with ``--mode ar`` (or none with chain/tree), or a negative temperature
-fail at once with a message saying what to pass instead.
+checkpoint folder, a drafter with ``--mode ar`` (or none with chain/tree), a negative temperature, or a
+bad partial-verification setting (negative budget, a block size that does not divide it, P < 0) fail at
+once with a message saying what to pass instead.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from ..drafters.baselines import BASELINES, is_baseline_name, resolve_drafter
 from .engine import MODES, DecodeConfig, generate
+from .specpv import SpecPVConfig
 
 
 def decode_args(p: argparse.ArgumentParser) -> None:
@@ -46,9 +49,26 @@ def add_cli(sub) -> None:
     g.add_argument(
         "--mode", default=None, choices=MODES, help="default: ar without a drafter, chain with one"
     )
+    pv = g.add_argument_group("partial verification (SpecPV)")
+    pv.add_argument(
+        "--verify", default="full", choices=("full", "partial"), help="partial: verify on a partial KV cache"
+    )
+    pv.add_argument("--budget", type=int, default=1024, help="tokens of sinks + retrieved blocks + window")
+    pv.add_argument("--full-every", type=int, default=16, help="P: a full pass once P tokens are pending")
+    pv.add_argument("--strict", action="store_true", help="re-check pending tokens at full passes (lossless)")
+    pv.add_argument("--sink", type=int, default=32)
+    pv.add_argument("--window", type=int, default=64)
+    pv.add_argument("--block-size", type=int, default=16)
+    pv.add_argument("--score", default="quest", choices=("quest", "vector"), help="block score")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user message (chat-templated unless --raw)")
     src.add_argument("--mt-bench", type=int, metavar="N", help="MT-bench question N (1..80), first turn")
+    src.add_argument(
+        "--long-context",
+        type=int,
+        metavar="TOKENS",
+        help="a long ShareGPT summarization prompt of TOKENS tokens",
+    )
     g.add_argument(
         "--raw", action="store_true", help="feed --prompt as plain text, without the chat template"
     )
@@ -93,6 +113,24 @@ def decode_config(args, mode: str) -> DecodeConfig:
         raise SystemExit(f"kvshot: {e}") from None
 
 
+def partial_config(args) -> SpecPVConfig | None:
+    """The SpecPV settings of ``--verify partial``, validated (None for ``--verify full``)."""
+    if args.verify != "partial":
+        return None
+    try:
+        return SpecPVConfig(
+            budget=args.budget,
+            full_every=args.full_every,
+            strict=args.strict,
+            sink=args.sink,
+            window=args.window,
+            block_size=args.block_size,
+            score=args.score,
+        ).validate()
+    except ValueError as e:
+        raise SystemExit(f"kvshot: --verify partial: {e}") from None
+
+
 def load_cli_target(args):
     import torch
 
@@ -119,8 +157,15 @@ def _cli_generate(args) -> int:
         )
     if args.mt_bench is not None and not 1 <= args.mt_bench <= 80:
         raise SystemExit(f"kvshot: --mt-bench takes a question number in 1..80, got {args.mt_bench}.")
+    if args.verify == "full" and args.strict:
+        raise SystemExit("kvshot: --strict re-checks partially verified tokens; it needs --verify partial.")
+    if args.long_context is not None and args.long_context < 64:
+        raise SystemExit(
+            f"kvshot: --long-context takes a prompt length in tokens (>= 64), got {args.long_context}."
+        )
     check_drafter_spec(args.drafter)
     cfg = decode_config(args, mode)
+    partial = partial_config(args)
     target = load_cli_target(args)
     drafter = resolve_drafter(args.drafter, target, args.seed)
     tok = target.tokenizer
@@ -128,13 +173,17 @@ def _cli_generate(args) -> int:
         from ..corpus import chat_prompt_ids, load_mtbench, mtbench_messages
 
         prompt = chat_prompt_ids(tok, mtbench_messages(load_mtbench(args.mt_bench)[-1]))
+    elif args.long_context is not None:
+        from ..corpus import long_prompts
+
+        prompt = long_prompts(tok, args.long_context, 1, max_context=target.info.max_context)[0].ids
     elif args.raw:
         prompt = tok(args.prompt, add_special_tokens=False)["input_ids"]
     else:
         from ..corpus import chat_prompt_ids
 
         prompt = chat_prompt_ids(tok, [{"role": "user", "content": args.prompt}])
-    out = generate(target, prompt, cfg, drafter)
+    out = generate(target, prompt, cfg, drafter, partial=partial)
     text = tok.decode(out.token_ids, skip_special_tokens=True)
     if args.json:
         print(
@@ -156,11 +205,29 @@ def _cli_generate(args) -> int:
                     total_s=out.total_s,
                     mode=mode,
                     drafter=args.drafter,
+                    verify=args.verify,
+                    **_partial_fields(out),
                 )
             )
         )
     else:
         print(text)
         summary = f"[{len(out.token_ids)} tokens, {out.tokens_per_s:.1f} tokens/s"
+        if hasattr(out, "n_partial"):
+            summary += f", {out.n_partial} partial / {out.n_full} full passes, {len(out.rollbacks)} rollbacks"
         print(summary + (f", MAT {out.mat:.2f}]" if out.n_cycles else "]"), file=sys.stderr)
     return 0
+
+
+def _partial_fields(out) -> dict:
+    if not hasattr(out, "cycle_kind"):
+        return {}
+    return dict(
+        n_partial=out.n_partial,
+        n_full=out.n_full,
+        rollbacks=out.rollbacks,
+        partial_s=out.partial_s,
+        full_s=out.full_s,
+        refresh_s=out.refresh_s,
+        cycle_kind=out.cycle_kind,
+    )

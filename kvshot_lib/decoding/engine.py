@@ -152,6 +152,48 @@ def keep_block_positions(cache, start: int, keep: list[int]) -> None:
         cache.crop(-(total - start - n_keep))
 
 
+@dataclass
+class Prefill:
+    """A prompt already run through the target, to share between generations of the same prompt (the
+    long-context benchmarks): each generation starts from a copy of ``cache``. ``seconds`` is charged to
+    every generation's ``prefill_s`` and ``total_s`` as if it had run there."""
+
+    ids: Tensor  # [1, T]
+    cache: DynamicCache
+    logits: Tensor  # [V] at the last prompt position
+    hidden: dict[int, Tensor]  # layer -> [1, T, H]
+    seconds: float
+
+
+@torch.inference_mode()
+def prefill_prompt(target, prompt_ids, layers=()) -> Prefill:
+    """Run ``prompt_ids`` through the target once, keeping the hidden states of ``layers``."""
+    model = target.model
+    ids = _check_prompt(prompt_ids, target.info.max_context).to(model.device)
+    t0 = time.perf_counter()
+    cache = DynamicCache(config=model.config)
+    logits, hidden = _prefill(model, ids, cache, tuple(layers))
+    return Prefill(ids, cache, logits, hidden, time.perf_counter() - t0)
+
+
+def take_prefill(
+    pre: Prefill, ids: Tensor, layers: tuple[int, ...], config
+) -> tuple[DynamicCache, Tensor, dict]:
+    """A private copy of ``pre``'s cache, its logits and the hidden states of ``layers``, checked against
+    the prompt ``ids [1, T]`` of the generation that uses it."""
+    if not torch.equal(pre.ids.to(ids.device), ids):
+        raise ValueError("the shared prefill was computed for another prompt; prefill this prompt first.")
+    missing = [layer for layer in layers if layer not in pre.hidden]
+    if missing:
+        raise ValueError(
+            f"the shared prefill lacks the hidden states of layers {missing}; prefill with them."
+        )
+    cache = DynamicCache(config=config)
+    for i, layer in enumerate(pre.cache.layers):
+        cache.update(layer.keys, layer.values, i)  # concatenation onto an empty layer: a copy
+    return cache, pre.logits, {layer: pre.hidden[layer] for layer in layers}
+
+
 def _prefill(model, ids: Tensor, cache, layers: tuple[int, ...]):
     out = model(
         input_ids=ids,
@@ -165,18 +207,25 @@ def _prefill(model, ids: Tensor, cache, layers: tuple[int, ...]):
 
 
 @torch.inference_mode()
-def autoregressive_generate(target, prompt_ids, cfg: DecodeConfig) -> GenerationResult:
-    """The baseline: one target forward per token on a KV cache (argmax, or a sample at temperature > 0)."""
+def autoregressive_generate(
+    target, prompt_ids, cfg: DecodeConfig, prefill: Prefill | None = None
+) -> GenerationResult:
+    """The baseline: one target forward per token on a KV cache (argmax, or a sample at temperature > 0).
+    ``prefill``: start from a copy of a shared :class:`Prefill` of this prompt instead of running it."""
     cfg.validate()
     model, max_ctx = target.model, target.info.max_context
     ids = _check_prompt(prompt_ids, max_ctx).to(model.device)
     stops = set(cfg.stop_token_ids if cfg.stop_token_ids is not None else target.info.eos_token_ids)
     gen = torch.Generator().manual_seed(cfg.seed)
     result = GenerationResult([], ids.shape[1], "max_new_tokens")
-    t0 = time.perf_counter()
-    cache = DynamicCache(config=model.config)
+    if prefill is not None:
+        cache, logits, _ = take_prefill(prefill, ids, (), model.config)
+    t0 = time.perf_counter() - (prefill.seconds if prefill is not None else 0.0)
+    if prefill is None:
+        cache = DynamicCache(config=model.config)
     if cfg.max_new_tokens > 0:
-        logits, _ = _prefill(model, ids, cache, ())
+        if prefill is None:
+            logits, _ = _prefill(model, ids, cache, ())
         result.prefill_s = time.perf_counter() - t0
         done = _commit(result, [_choose(logits, cfg, gen)], stops, cfg)
         pos = ids.shape[1]
@@ -255,32 +304,38 @@ def speculative_generate(
     prompt_ids,
     cfg: DecodeConfig,
     on_cycle: Callable[[Tensor, object], None] | None = None,
+    prefill: Prefill | None = None,
 ) -> GenerationResult:
     """Chain or tree speculative decoding with ``drafter`` (any SessionFactory). Lossless: at temperature 0
     the output is token for token that of :func:`autoregressive_generate`; at temperature > 0 it follows
-    the target's distribution. ``on_cycle(committed [1, P], cache)`` is called after every cycle (tests)."""
+    the target's distribution. ``on_cycle(committed [1, P], cache)`` is called after every cycle (tests).
+    ``prefill``: start from a copy of a shared :class:`Prefill` of this prompt."""
     cfg.validate()
     if cfg.mode == "ar":
-        return autoregressive_generate(target, prompt_ids, cfg)
+        return autoregressive_generate(target, prompt_ids, cfg, prefill)
     with small_batch_linear(target.model, drafter, enabled=cfg.small_batch_kernel):
-        return _speculative(target, drafter, prompt_ids, cfg, on_cycle)
+        return _speculative(target, drafter, prompt_ids, cfg, on_cycle, prefill)
 
 
 @torch.inference_mode()
-def _speculative(target, drafter, prompt_ids, cfg: DecodeConfig, on_cycle) -> GenerationResult:
+def _speculative(target, drafter, prompt_ids, cfg: DecodeConfig, on_cycle, prefill=None) -> GenerationResult:
     model, max_ctx, dev = target.model, target.info.max_context, target.model.device
     ids = _check_prompt(prompt_ids, max_ctx).to(dev)
     stops = set(cfg.stop_token_ids if cfg.stop_token_ids is not None else target.info.eos_token_ids)
     gen = torch.Generator().manual_seed(cfg.seed)
     result = GenerationResult([], ids.shape[1], "max_new_tokens")
-    t0 = time.perf_counter()
     if cfg.max_new_tokens == 0:
         return result
     session = drafter.new_session()
     layers = tuple(session.hidden_layers)
     d2t = session.d2t
-    cache = DynamicCache(config=model.config)
-    logits, pending = _prefill(model, ids, cache, layers)
+    if prefill is not None:
+        cache, logits, pending = take_prefill(prefill, ids, layers, model.config)
+        t0 = time.perf_counter() - prefill.seconds
+    else:
+        t0 = time.perf_counter()
+        cache = DynamicCache(config=model.config)
+        logits, pending = _prefill(model, ids, cache, layers)
     result.prefill_s = time.perf_counter() - t0
     committed = torch.empty(1, ids.shape[1] + cfg.max_new_tokens, dtype=torch.long, device=dev)  # [1, T_max]
     committed[:, : ids.shape[1]] = ids
@@ -364,11 +419,19 @@ def _speculative(target, drafter, prompt_ids, cfg: DecodeConfig, on_cycle) -> Ge
     return result
 
 
-def generate(target, prompt_ids, cfg: DecodeConfig, drafter=None) -> GenerationResult:
-    """Decode ``prompt_ids`` with ``cfg.mode``: ``"ar"`` needs no drafter; ``"chain"`` / ``"tree"`` need one."""
+def generate(
+    target, prompt_ids, cfg: DecodeConfig, drafter=None, partial=None, prefill: Prefill | None = None
+) -> GenerationResult:
+    """Decode ``prompt_ids`` with ``cfg.mode``: ``"ar"`` needs no drafter; ``"chain"`` / ``"tree"`` need one.
+    ``partial`` (a :class:`~kvshot_lib.decoding.specpv.SpecPVConfig`) verifies against a partial KV cache
+    (SpecPV, :func:`~kvshot_lib.decoding.specpv.specpv_generate`); ``prefill`` shares a prompt's prefill."""
     cfg.validate()
+    if partial is not None:
+        from .specpv import specpv_generate  # the partial verifier builds on this engine
+
+        return specpv_generate(target, drafter, prompt_ids, cfg, partial, prefill=prefill)
     if cfg.mode == "ar":
-        return autoregressive_generate(target, prompt_ids, cfg)
+        return autoregressive_generate(target, prompt_ids, cfg, prefill)
     if drafter is None:
         raise ValueError(f"mode={cfg.mode!r} needs a drafter; use mode='ar' for plain decoding.")
-    return speculative_generate(target, drafter, prompt_ids, cfg)
+    return speculative_generate(target, drafter, prompt_ids, cfg, prefill=prefill)

@@ -37,7 +37,9 @@ class ModelDraftSession:
     """Drafts with a causal LM (the target or a shallow copy) holding its own KV cache.
 
     The cache holds the committed tokens the session has seen, then the nodes of the current cycle;
-    ``end_cycle`` crops the nodes. Nodes attend to the committed context and their own ancestors.
+    ``end_cycle`` crops the nodes. Nodes attend to the committed context and their own ancestors. A
+    committed prefix that changed since the last cycle (a verifier that rolls back, as SpecPV's strict mode
+    does) is cropped back to where it still agrees and re-fed from there.
     """
 
     d2t = None
@@ -47,12 +49,14 @@ class ModelDraftSession:
         self.model, self.noise, self.generator = model, noise, generator
         self.cache = DynamicCache(config=model.config)
         self.n_committed = 0  # committed tokens in self.cache
+        self.seen = torch.empty(0, dtype=torch.long)  # [n_committed] those tokens
         self.parents: list[int] = []
         self.depths: list[int] = []
         self.mask_dtype = next(model.parameters()).dtype
 
     @torch.inference_mode()
     def start_cycle(self, committed: Tensor, view) -> Tensor:
+        self._rewind(committed[0])
         new = committed[:, self.n_committed :]  # [1, n_new]: accepted drafts and the root
         positions = torch.arange(self.n_committed, committed.shape[1], device=new.device)[None]  # [1, n_new]
         out = self.model(
@@ -63,7 +67,17 @@ class ModelDraftSession:
             logits_to_keep=1,
         )
         self.n_committed = committed.shape[1]
+        self.seen = committed[0].clone()
         return self._noisy(out.logits[0, -1])  # [V]
+
+    def _rewind(self, committed: Tensor) -> None:
+        """Crop the cache to the longest prefix of ``committed [P+1]`` it holds (the root is always new)."""
+        n = min(self.n_committed, committed.shape[0] - 1)
+        differ = (self.seen[:n].to(committed.device) != committed[:n]).nonzero()
+        keep = int(differ[0]) if len(differ) else n
+        if keep < self.n_committed:
+            self.cache.crop(-(self.n_committed - keep))
+            self.n_committed = keep
 
     def _noisy(self, logits: Tensor) -> Tensor:
         if not self.noise:

@@ -3,12 +3,15 @@
 * :mod:`.metrics` defines α_k (conditional), the reach probability, MAT and retention once;
 * :mod:`.acceptance` decodes MT-bench with every drafter (an exact greedy replay at temperature 0, the
   engine otherwise) and tabulates acceptance by step;
-* :mod:`.speedup` times plain, speculative and Hugging Face decoding in one run on one machine.
+* :mod:`.speedup` times plain, speculative and Hugging Face decoding in one run on one machine;
+* SpecPV at long context: :mod:`.specpv_fidelity` (exact match, divergence, top-1 agreement, KL, hidden
+  cosine by distance, ROUGE-L against lossless decoding), :mod:`.specpv_speed` (decode tokens/s, phase
+  times, MAT by verification kind, in one run) and :mod:`.specpv_cost` (the fitted cost model, crossover).
 
 It hands result tables (one row per drafter, mode, step or method) to the plots.
 """
 
-from . import metrics
+from . import metrics, specpv_cost, specpv_fidelity, specpv_speed
 from .acceptance import (
     AcceptanceRun,
     Reference,
@@ -45,5 +48,8 @@ __all__ = [
     "run_engine",
     "run_greedy_replay",
     "run_mtbench_benchmark",
+    "specpv_cost",
+    "specpv_fidelity",
+    "specpv_speed",
     "speedup_table",
 ]

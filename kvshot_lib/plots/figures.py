@@ -26,7 +26,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from . import corpus, decoding, training
+from . import corpus, decoding, specpv, training
 from .style import add_caption, paper_style, save_figure
 
 CAPTIONS = "captions.json"
@@ -66,6 +66,16 @@ def _speedup_counts(t):
     prompts = f"{int(d['n_prompts'].max())} prompts" if "n_prompts" in d else "MT-bench prompts"
     machine = d["machine"].iloc[0] if "machine" in d and len(d) else "this machine"
     return f"each point: {prompts}, one run on {machine}"
+
+
+def _specpv_counts(t):
+    d = t["specpv_fidelity_runs.csv"]
+    return f"each point: {d.groupby(['context', 'budget', 'full_every', 'mode']).size().max()} prompts; band: 95% bootstrap interval"
+
+
+def _speed_machine(t, name="specpv_speed.csv"):
+    d = t[name]
+    return f"{int(d['n_prompts'].max())} prompts per context, one run on {d['machine'].iloc[0]}"
 
 
 SPECS = [
@@ -211,6 +221,65 @@ SPECS = [
         lambda t: decoding.plot_speedup_vs_mat(t["speedup.csv"]),
         {"speedup.csv": ["method", "drafter", "temperature", "speedup_vs_ar", "mat"]},
         _speedup_counts,
+    ),
+    FigureSpec(
+        "07_specpv_fidelity",
+        "07_specpv_long_context",
+        ("specpv_fidelity_runs.csv",),
+        lambda t: specpv.plot_fidelity(t["specpv_fidelity_runs.csv"]),
+        {
+            "specpv_fidelity_runs.csv": [
+                "context",
+                "budget",
+                "full_every",
+                "mode",
+                "exact_match",
+                "top1_agreement",
+                "rouge_l",
+            ]
+        },
+        _specpv_counts,
+    ),
+    FigureSpec(
+        "07_specpv_drift",
+        "07_specpv_long_context",
+        ("specpv_fidelity_steps.csv",),
+        lambda t: specpv.plot_drift(t["specpv_fidelity_steps.csv"]),
+        {"specpv_fidelity_steps.csv": ["budget", "mode", "distance", "cosine", "top1_agree"]},
+        lambda t: (
+            f"{len(t['specpv_fidelity_steps.csv']):,} partially verified rows, each against a shadow full verification"
+        ),
+    ),
+    FigureSpec(
+        "07_specpv_speed",
+        "07_specpv_long_context",
+        ("specpv_speed.csv",),
+        lambda t: specpv.plot_speed(t["specpv_speed.csv"]),
+        {"specpv_speed.csv": ["context", "method", "budget", "full_every", "tokens_per_s", "machine"]},
+        _speed_machine,
+    ),
+    FigureSpec(
+        "07_specpv_phases",
+        "07_specpv_long_context",
+        ("specpv_speed.csv",),
+        lambda t: specpv.plot_phases(t["specpv_speed.csv"]),
+        {"specpv_speed.csv": ["context", "method", "tokens_per_s", *(c for c, _ in specpv.PHASES)]},
+        _speed_machine,
+    ),
+    FigureSpec(
+        "07_specpv_cost_model",
+        "07_specpv_long_context",
+        ("specpv_cost_curves.csv", "specpv_crossover.csv", "specpv_speed.csv"),
+        lambda t: specpv.plot_cost_model(
+            t["specpv_cost_curves.csv"], t["specpv_crossover.csv"], t["specpv_speed.csv"]
+        ),
+        {
+            "specpv_cost_curves.csv": ["machine", "budget", "full_every", "length", "ratio"],
+            "specpv_crossover.csv": ["machine", "budget", "full_every", "crossover_tokens"],
+        },
+        lambda t: (
+            "CPU: t(L, n) fitted to forwards timed in this run; H100: a memory-bound model (kvshot_lib.evaluation.specpv_cost)"
+        ),
     ),
 ]
 FIGURES = {s.name: s for s in SPECS}
