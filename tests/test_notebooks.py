@@ -10,6 +10,7 @@ from kvshot_lib import cli, plots, runner
 from kvshot_lib.target import REPO_ROOT
 
 NOTEBOOKS = runner.list_notebooks()
+pytestmark = pytest.mark.timeout(1800)  # the smoke run of every notebook, on a busy 2-core machine
 REQUIRED = {"profile", "run_dir", "figure_dir", "target", "device", "dtype", "seed"}
 
 

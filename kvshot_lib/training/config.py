@@ -27,9 +27,12 @@ class TrainConfig:
     n_layers: int = 1
     kv_mode: str = "concat"  # "concat" | "linear" | "linear_rope"
     query_group: int | None = None  # queries per injected KV head; None = the target's GQA group
-    kv_recency: int = 0  # KV-only: window of the learned recency bias on the target-KV scores (0 = off)
+    # KV-only design (issue 12): the target's KV gets a softmax of its own and an ALiBi-initialized recency
+    # bias over the last 32 positions; with one shared softmax and no bias (the first design, still what a
+    # checkpoint without these fields loads as) the drafter learned nothing from what the KV holds
+    kv_recency: int = 32  # window of the learned recency bias on the target-KV scores (0 = off)
     target_kv: str = "real"  # "zeroed": the control, trained (and decoding) with every target K/V set to 0
-    kv_softmax: str = "shared"  # KV-only: "separate" gives the target's KV its own softmax
+    kv_softmax: str = "separate"  # "shared": target and own K/V in one softmax
     hidden_layers: list[int] | None = None  # None = EAGLE-3's (1, L/2-1, L-4)
     kv_layers: list[int] | None = None  # None = the same layers
     draft_vocab_size: int = 8192
