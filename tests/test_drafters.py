@@ -1,6 +1,8 @@
-"""Drafters on tiny models: shapes, the draft vocabulary, bitwise checkpoint round trips, wrong-target loads."""
+"""Drafters on tiny models: shapes, frozen target parts, no later position reaching an earlier draft (bitwise),
+the draft vocabulary, bitwise checkpoint round trips, wrong-target loads."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -98,8 +100,6 @@ def test_no_later_position_reaches_an_earlier_draft(tiny_llama, seq, paradigm, m
     """Step ``k`` of branch ``i`` may read the target's features and K/V of positions ``0..i`` and the tokens
     ``x_1..x_{i+1+k}``. Changing everything the batch holds at position ``j`` (the token, the hidden states,
     the K/V) leaves the branches ``i < j-1-k`` *bitwise* unchanged and changes every later one."""
-    from dataclasses import replace
-
     d = make(tiny_llama, paradigm, mode, n_layers).eval()
     batch = batch_from_target(tiny_llama, *seq, d.cfg)
     K, g = 3, torch.Generator().manual_seed(5)

@@ -14,9 +14,9 @@ prompts (each secret twice), at draft step 0 on the positions where the target s
   K/V it names that prompt's secret;
 * the control stays at chance: it cannot tell the secrets apart, and each secret is as frequent.
 
-``tests/test_decoding.py`` measures the same through the decoding engine. Cut the KV path (e.g.
-``TrainableDrafter.inject`` returns zeros for the KV-only drafter) and the first assertion fails: the drafter
-is then its own control.
+``tests/test_decoding.py`` measures the same through the decoding engine. Cut the KV path (the KV-only
+drafter's ``inject`` gets zeros, in training and decoding: ``python tests/mutation_kv_cut.py``) and the first
+assertion fails: the drafter is then its own control.
 """
 
 import torch

@@ -14,8 +14,9 @@ the suite still passed all but one test. These tests fail on such a drafter (see
 The hybrid drafter reads the target's K/V through its cross-attention only; the same checks hold for it.
 ``tests/test_kv_copy_task.py`` shows the KV-only drafter *learns* from what the K/V hold.
 
-Checked against a variant of the code whose ``TrainableDrafter.inject`` returns zeros for the KV-only
-drafter: every ``kv`` case here fails (the logits no longer move), the ``hybrid`` cases pass.
+Checked against a variant of the code in which the KV-only drafter's ``inject`` (the one way the target's
+K/V reach it, in training and in decoding) gets zeros: every ``kv`` case here fails (the logits no longer
+move), the ``hybrid`` cases pass. ``python tests/mutation_kv_cut.py`` reruns that check.
 """
 
 from dataclasses import replace
@@ -26,20 +27,23 @@ import torch
 from kvshot_lib.drafters import TargetView, build_drafter, drafter_config_for
 from kvshot_lib.training import batch_from_target
 
-# (paradigm, kv_mode, n_layers)
+# (paradigm, kv_mode, n_layers, kv_recency): the recency variant adds a learned bias by distance to the scores
 VARIANTS = [
-    ("kv", "concat", 1),
-    ("kv", "linear_rope", 2),
-    ("hybrid", "concat", 1),
-    ("hybrid", "linear", 2),
+    ("kv", "concat", 1, 0),
+    ("kv", "linear_rope", 2, 0),
+    ("kv", "concat", 2, 3),
+    ("hybrid", "concat", 1, 0),
+    ("hybrid", "linear", 2, 0),
 ]
 T, K = 16, 3
 MOVED = 1e-2  # a row "changes" when a logit moves by more than this (float noise ~1e-6; seen: >= 0.1)
 ATOL = 2e-5  # decoding against the training unroll (as in test_drafters_session.py)
 
 
-def drafter(target, paradigm, mode, n_layers):
-    cfg = drafter_config_for(target, paradigm, n_layers=n_layers, kv_mode=mode, draft_vocab_size=512)
+def drafter(target, paradigm, mode, n_layers, kv_recency):
+    cfg = drafter_config_for(
+        target, paradigm, n_layers=n_layers, kv_mode=mode, draft_vocab_size=512, kv_recency=kv_recency
+    )
     d = build_drafter(cfg, target, torch.arange(512) * 3, seed=0)
     with torch.no_grad():  # off the identity/zero initializations, so that every path carries signal
         g = torch.Generator().manual_seed(1)
@@ -91,9 +95,9 @@ def moved_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).abs().amax(-1) > MOVED  # [rows]
 
 
-@pytest.mark.parametrize("paradigm,mode,n_layers", VARIANTS)
-def test_training_unroll_reads_the_target_kv_causally(tiny_llama, ids, paradigm, mode, n_layers):
-    d = drafter(tiny_llama, paradigm, mode, n_layers)
+@pytest.mark.parametrize("paradigm,mode,n_layers,recency", VARIANTS)
+def test_training_unroll_reads_the_target_kv_causally(tiny_llama, ids, paradigm, mode, n_layers, recency):
+    d = drafter(tiny_llama, paradigm, mode, n_layers, recency)
     batch = batch_from_target(tiny_llama, ids, torch.ones(T, dtype=torch.bool), d.cfg)
     base = unroll_logits(d, batch)
     for j in (0, 5, 11):
@@ -131,9 +135,9 @@ def session_logits(d, target, ids, cycles, edit=None) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("paradigm,mode,n_layers", VARIANTS)
-def test_decode_session_reads_the_target_kv_causally(tiny_llama, ids, paradigm, mode, n_layers):
-    d = drafter(tiny_llama, paradigm, mode, n_layers)
+@pytest.mark.parametrize("paradigm,mode,n_layers,recency", VARIANTS)
+def test_decode_session_reads_the_target_kv_causally(tiny_llama, ids, paradigm, mode, n_layers, recency):
+    d = drafter(tiny_llama, paradigm, mode, n_layers, recency)
     layers = d.cfg.kv_layers
     cycles, j = (4, 8, 12), 6
     batch = batch_from_target(tiny_llama, ids, torch.ones(T, dtype=torch.bool), d.cfg)
