@@ -8,10 +8,10 @@ pooled). An output outside the 16 outcomes (a token outside the target's top 2) 
 
 The target is a small random Llama (2 layers, a 32-token vocabulary, untied head): without a 49k-token LM
 head a generation costs a few ms, so a test can afford 1000 of them; and its next-token distributions over
-the top 2 are close to even, so every outcome is frequent. **Power**: what these tests can see is stated as the power of the chi-square
-test against a *5% distortion*, i.e. an engine whose output moves 0.05 of probability from one outcome to
-another, for the pair of outcomes where it is hardest to see (the two most likely); scipy's noncentral
-chi-square gives it, and each test recomputes the figure it states:
+the top 2 are close to even, so every outcome is frequent. **Power**: what these tests can see is stated as
+the power of the chi-square test against a *5% distortion*, i.e. an engine whose output moves 0.05 of
+probability from one outcome to another, for the pair of outcomes where it is hardest to see (the two most
+likely); scipy's noncentral chi-square gives it, and each test recomputes the figure it states:
 
 * the sampling rule, chain and tree, drafting with the target plus noise: 1000 runs each, power 0.99;
 * the trained drafter classes (hidden, KV, hybrid checkpoints, a 16-token draft vocabulary): 500 runs each
