@@ -7,8 +7,11 @@ float noise. Comparisons stay exact (token equality, caches to 1e-5).
 
 Drafters: the target itself (everything accepted), a random drafter (nearly everything rejected), the
 target's first 4 layers (``early-exit-4``), drafters of the three paradigms trained here on the
-target's own greedy continuations (TTT, so that they are partly right), and scripted drafters that
-accept exactly up to a chosen position.
+target's own greedy continuations of the 50 test prompts (TTT), and scripted drafters that accept exactly
+up to a chosen position. The trained drafters memorize those continuations (a drafter with its target KV
+zeroed does as well on them), so their acceptance on the same prompts only shows that the equality test
+runs through accepted drafts; whether a KV drafter *learns from the KV* is measured on held-out prompts of
+a task that needs it, against its zeroed-KV control (``test_kv_drafter_beats_its_zeroed_kv_control...``).
 """
 
 import pytest
@@ -151,8 +154,10 @@ def test_greedy_equals_plain_decoding_on_50_prompts(llama, prompts, reference, d
             assert rate >= 0.98, f"self-drafting accepted only {rate:.3f}"
         elif drafter_name == "random":
             assert rate < 0.02
-        elif drafter_name.startswith("trained-"):
-            assert rate > 0.2, f"{drafter_name} accepted only {rate:.3f}: it did not learn the continuations"
+        elif drafter_name.startswith("trained-"):  # not evidence of learning (see the module docstring)
+            assert rate > 0.2, (
+                f"{drafter_name} accepted {rate:.3f}: the test hardly exercises accepted drafts"
+            )
         else:
             assert 0.02 < rate < 0.98, f"the stand-in drafter should be partly right, got {rate:.3f}"
 
@@ -375,3 +380,38 @@ def test_bad_inputs_fail_early(llama):
         decoding.generate(llama, [1, 2, 3], DecodeConfig(mode="chain"))
     with pytest.raises(ValueError, match="empty"):
         autoregressive_generate(llama, [], DecodeConfig(mode="ar"))
+
+
+def zero_rooted_first_drafts(out) -> tuple[int, int]:
+    """(cycles whose root is filler 0, how many of them accepted their first draft): there the target says
+    the secret, which the drafter can only know from the target's K/V."""
+    n = accepted = 0
+    committed = 1  # the prefill's token
+    for a in out.accepted_per_cycle:
+        if out.token_ids[committed - 1] == 0:
+            n, accepted = n + 1, accepted + (a >= 1)
+        committed += a + 1
+    return n, accepted
+
+
+def test_kv_drafter_beats_its_zeroed_kv_control_on_held_out_prompts():
+    """The hand-built secret-copy target (``secret_task.py``): after filler 0 it says the secret of its prompt.
+    A KV-only drafter trained on 48 prompts, decoding 16 held-out ones through the engine (chain of 3):
+    lossless, and its first draft after root 0 is accepted >= 90% of the time; the same architecture trained
+    with the target KV zeroed (``target_kv="zeroed"``) stays near chance (1 in 8)."""
+    from secret_task import greedy, secret_prompts, secret_target, trained_kv_drafter
+
+    target, prompts = secret_target(), secret_prompts(16, seed=2)
+    cfg = DecodeConfig(mode="chain", chain_depth=3, max_new_tokens=12, stop_token_ids=())
+    rates = {}
+    for target_kv in ("real", "zeroed"):
+        n = accepted = 0
+        for prompt, ref in zip(prompts, greedy(prompts)):
+            out = speculative_generate(target, trained_kv_drafter(target_kv), prompt, cfg)
+            assert out.token_ids == ref, f"{target_kv}: differs from plain greedy decoding"
+            a, b = zero_rooted_first_drafts(out)
+            n, accepted = n + a, accepted + b
+        assert n >= 16  # every prompt has at least its first cycle rooted at 0
+        rates[target_kv] = accepted / n
+    assert rates["real"] >= 0.9, f"the KV-only drafter did not learn to draft the secret: {rates}"
+    assert rates["zeroed"] <= 0.3, f"without the target's KV the control drafts the secret: {rates}"

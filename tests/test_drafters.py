@@ -1,6 +1,8 @@
-"""Drafters on tiny models: shapes, the draft vocabulary, bitwise checkpoint round trips, wrong-target loads."""
+"""Drafters on tiny models: shapes, frozen target parts, no later position reaching an earlier draft (bitwise),
+the draft vocabulary, bitwise checkpoint round trips, wrong-target loads."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -77,10 +79,51 @@ def test_shapes_and_groups(tiny_llama, seq, paradigm, mode, n_layers):
     assert ("gate" in groups) == (paradigm == "hybrid")
     assert ("kv_inject" in groups) == (mode != "concat" and paradigm != "hidden")
     assert "other" not in groups
-    # the target's embedding and head are frozen and not part of the drafter's parameters or state
-    n_target = sum(p.numel() for p in tiny_llama.model.parameters())
-    assert d.n_trainable() < n_target / 4
+    # the target's embedding and head are frozen and not part of the drafter's parameters or state: the
+    # trainable parameters are the same for another draft vocabulary, and none has a vocabulary-sized axis
+    vocab_sizes = {len(D2T), tiny_llama.info.vocab_size}
+    assert all(not vocab_sizes & set(p.shape) for p in d.parameters())
+    other_vocab = build_drafter(
+        drafter_config_for(tiny_llama, paradigm, n_layers=n_layers, kv_mode=mode, draft_vocab_size=512),
+        tiny_llama,
+        D2T[:512],
+        seed=0,
+    )
+    assert other_vocab.n_trainable() == d.n_trainable() == sum(p.numel() for p in d.parameters())
+    target_storage = {p.untyped_storage().data_ptr() for p in tiny_llama.model.parameters()}
+    assert all(p.untyped_storage().data_ptr() not in target_storage for p in d.parameters())
     assert set(d.state_dict()) == {n for n, _ in d.named_parameters()} | {"d2t", "target_probe"}
+
+
+@pytest.mark.parametrize("paradigm,mode,n_layers", VARIANTS)
+def test_no_later_position_reaches_an_earlier_draft(tiny_llama, seq, paradigm, mode, n_layers):
+    """Step ``k`` of branch ``i`` may read the target's features and K/V of positions ``0..i`` and the tokens
+    ``x_1..x_{i+1+k}``. Changing everything the batch holds at position ``j`` (the token, the hidden states,
+    the K/V) leaves the branches ``i < j-1-k`` *bitwise* unchanged and changes every later one."""
+    d = make(tiny_llama, paradigm, mode, n_layers).eval()
+    batch = batch_from_target(tiny_llama, *seq, d.cfg)
+    K, g = 3, torch.Generator().manual_seed(5)
+
+    def noisy(x, j):
+        if x is None:
+            return None
+        x = x.clone()
+        x[:, j] = torch.randn(x[:, j].shape, generator=g) * 2 * x.std()
+        return x
+
+    with torch.no_grad():
+        base = [d.logits(h)[0] for h in d(batch, K).outs]  # per step [N, V_draft]
+        for j in (3, 9, 16):
+            ids = batch.ids.clone()
+            ids[:, j] = (ids[:, j] + 1) % 4000
+            moved = replace(batch, ids=ids, hidden=noisy(batch.hidden, j), keys=noisy(batch.keys, j))
+            moved = replace(moved, values=noisy(batch.values, j))
+            out = [d.logits(h)[0] for h in d(moved, K).outs]
+            for k in range(K):
+                first = max(j - 1 - k, 0)  # the first branch that reads position j at step k
+                assert torch.equal(out[k][:first], base[k][:first]), f"step {k}: position {j} leaked earlier"
+                changed = (out[k][first:] - base[k][first:]).abs().amax(-1) > 1e-3  # seen: >= 0.02
+                assert changed.all(), f"step {k}: branches {first}.. do not all read position {j}"
 
 
 def test_draft_vocab_mapping():

@@ -1,13 +1,20 @@
-"""Notebook hygiene; every notebook runs end to end under papermill with the smoke profile, and
-``kvshot figures`` redraws every figure from the tables kept beside it, byte for byte."""
+"""Notebook hygiene; every notebook runs end to end under papermill with the smoke profile, saves result
+tables whose columns, value ranges and row counts follow from the profile's parameters (and whose numbers
+agree with each other where one table restates another), and ``kvshot figures`` redraws every figure from
+the tables kept beside it, byte for byte."""
 
 import ast
 import json
+import math
 
+import numpy as np
+import pandas as pd
 import pytest
 
 from kvshot_lib import cli, plots, runner
+from kvshot_lib.evaluation.speedup import HF_METHODS
 from kvshot_lib.target import REPO_ROOT
+from kvshot_lib.training import parse_drafter_specs
 
 NOTEBOOKS = runner.list_notebooks()
 pytestmark = pytest.mark.timeout(1800)  # the smoke run of every notebook, on a busy 2-core machine
@@ -73,3 +80,201 @@ def test_kvshot_figures_names_the_missing_table(smoke_run, tmp_path, capsys):
     (figure_dir / "data" / "per_step_accuracy.csv").write_text("drafter,accuracy\nx,0.5\n")
     with pytest.raises(plots.FigureDataError, match="lacks the columns"):
         plots.redraw(figure_dir)
+
+
+RESULTS = REPO_ROOT / "runs" / "smoke" / "results"
+
+
+def smoke_params(number: str) -> dict:
+    """The parameters notebook ``number`` ran with under the smoke profile (its defaults, then the profile)."""
+    plan = {path.name[:2]: params for path, params in runner.plan_run(runner.load_profile("smoke"))}
+    return {**runner.notebook_parameters(NOTEBOOKS[number]), **plan[number]}
+
+
+def table(name: str, columns) -> pd.DataFrame:
+    df = pd.read_csv(RESULTS / f"{name}.csv")
+    assert set(columns) <= set(df.columns), f"{name}.csv lacks {sorted(set(columns) - set(df.columns))}"
+    return df
+
+
+def within(series, lo, hi) -> bool:
+    """Every value in [lo, hi] (NaN is not)."""
+    return bool(((series >= lo) & (series <= hi)).all())
+
+
+def trained_configs():
+    p = smoke_params("02")
+    return parse_drafter_specs(p["drafters"], dict(train_steps=p["train_steps"], ttt_steps=p["ttt_steps"]))
+
+
+def all_accepted_cycles(max_new_tokens: int, depth: int) -> list[int]:
+    """Accepted drafts per cycle when every draft is accepted: the prefill gives one token, then each cycle
+    drafts min(depth, tokens still to make - 1) and commits them plus the bonus."""
+    made, cycles = 1, []
+    while max_new_tokens - made - 1 > 0:
+        cycles.append(min(depth, max_new_tokens - made - 1))
+        made += cycles[-1] + 1
+    return cycles
+
+
+def test_saved_tables_of_notebook_00(smoke_run):
+    p = smoke_params("00")
+    info = json.loads((RESULTS / "target_info.json").read_text())
+    assert info["name"] == p["target"] and info["vocab_size"] > 0 and info["n_layers"] > 0
+    conv = table("sharegpt_conversations", ["id", "tokens", "assistant_tokens", "responses"])
+    assert 0 < len(conv) <= p["n_stats_conversations"] and conv["id"].is_unique
+    assert (conv["assistant_tokens"] > 0).all() and (conv["assistant_tokens"] <= conv["tokens"]).all()
+    assert len(table("sharegpt_responses", ["tokens"])) == conv["responses"].sum()  # one row per response
+    prompts = table("mtbench_prompts", ["question_id", "category", "turn1_prompt_tokens"])
+    assert (
+        prompts["question_id"].tolist() == list(range(81, 161)) and (prompts["turn1_prompt_tokens"] > 0).all()
+    )
+    stores = table("feature_extraction", ["split", "sequences", "tokens"]).set_index("split")
+    for split, n in (("train", p["n_train_conversations"]), ("eval", p["n_eval_conversations"])):
+        assert 0 < stores.loc[split, "sequences"] <= n and stores.loc[split, "tokens"] <= n * p["max_len"]
+
+
+def test_saved_tables_of_notebook_02(smoke_run):
+    p, configs = smoke_params("02"), trained_configs()
+    names = [c.name for c in configs]
+    acc = table("per_step_accuracy", ["drafter", "draft_step", "accuracy", "n", "ceiling"])
+    assert sorted(zip(acc["drafter"], acc["draft_step"])) == sorted(
+        (c.name, k) for c in configs for k in range(c.eval_steps)
+    ), "one row per drafter x draft step"
+    assert within(acc["accuracy"], 0, 1) and within(acc["ceiling"], 0, 1) and (acc["n"] > 0).all()
+    step0 = acc[acc["draft_step"] == 0]
+    assert (
+        step0["accuracy"] <= step0["ceiling"] + 1e-12
+    ).all()  # a hit needs the target's token in the vocab
+    times = table("training_times", ["drafter", "train_steps", "train_tokens"])
+    assert times["drafter"].tolist() == names and (times["train_steps"] == p["train_steps"]).all()
+    history = table("training_history", ["drafter", "step", "loss", "acc_0"])
+    for c in configs:
+        h = history[history["drafter"] == c.name]
+        assert h["step"].tolist() == list(range(1, p["train_steps"] + 1))
+        assert (h["loss"] > 0).all() and np.isfinite(h["loss"]).all() and within(h["acc_0"], 0, 1)
+    evals = table("heldout_eval", ["drafter", "step", "acc_0", "ceiling"])
+    want = sorted({1, p["train_steps"]} | set(range(p["eval_every"], p["train_steps"] + 1, p["eval_every"])))
+    for c in configs:
+        e = evals[evals["drafter"] == c.name]
+        assert e["step"].tolist() == want and within(
+            e[[f"acc_{k}" for k in range(c.eval_steps)]].stack(), 0, 1
+        )
+    probes = table("grad_probes", ["drafter", "step", "group", "l2", "frac_small", "n_positions"])
+    probe_steps = sorted(
+        {s for s in range(p["train_steps"]) if s % p["probe_every"] == 0} | {p["train_steps"] - 1}
+    )
+    for c in configs:
+        assert sorted(set(probes[probes["drafter"] == c.name]["step"])) == probe_steps, c.name
+    assert within(probes["frac_small"], 0, 1) and (probes["n_positions"] <= probes["n_positions_total"]).all()
+    kv = table("kv_positions", ["drafter", "own_step", "frac_zero_grad"])
+    for c in configs:
+        assert sorted(set(kv[kv["drafter"] == c.name]["own_step"])) == list(range(c.n_train_steps)), c.name
+    assert within(kv["frac_zero_grad"], 0, 1)
+    mass = table("attention_mass", ["drafter", "paradigm", "step", "layer", "segment", "share"])
+    assert within(mass["share"], 0, 1 + 1e-6)
+    for (paradigm, *_), shares in mass.groupby(["paradigm", "drafter", "step", "layer"])["share"]:
+        # one softmax per layer, two for the hybrid (its self- and cross-attention)
+        assert shares.sum() == pytest.approx(2.0 if paradigm == "hybrid" else 1.0, abs=1e-5)
+    ablation = table("kv_ablation", ["drafter", "trained_with", "condition", "draft_step", "accuracy", "n"])
+    readers = [c for c in configs if c.paradigm in ("kv", "hybrid")]
+    assert sorted(zip(ablation["drafter"], ablation["condition"], ablation["draft_step"])) == sorted(
+        (c.name, cond, k)
+        for c in readers
+        for cond in ("real", "zeroed", "shuffled")
+        for k in range(p["ttt_steps"])
+    ), "one row per KV-reading drafter x condition x draft step"
+    assert within(ablation["accuracy"], 0, 1)
+    for c in readers:
+        rows = ablation[ablation["drafter"] == c.name]
+        assert set(rows["trained_with"]) == {c.target_kv}
+        if c.target_kv == "zeroed":  # the control never sees the K/V: the three conditions are the same run
+            by = rows.pivot(index="draft_step", columns="condition", values="accuracy")
+            assert (by["real"] == by["zeroed"]).all() and (by["real"] == by["shuffled"]).all()
+
+
+def test_saved_tables_of_notebook_03(smoke_run):
+    p = smoke_params("03")
+    drafters = [c.name for c in trained_configs()] + p["baseline_drafters"]
+    by_step = table(
+        "acceptance_by_step",
+        ["drafter", "mode", "temperature", "step", "alpha_conditional", "p_reach", "n_attempts"],
+    )
+    summary = table(
+        "acceptance_summary", ["drafter", "mode", "temperature", "mat", "alpha_0", "n_generations"]
+    )
+    every_run = {(d, m, float(t)) for d in drafters for m in p["modes"] for t in p["temperatures"]}
+    keys = list(zip(summary["drafter"], summary["mode"], summary["temperature"]))
+    assert sorted(keys) == sorted(every_run), "one summary row per drafter x mode x temperature"
+    runs = by_step.groupby(["drafter", "mode", "temperature"], sort=False)
+    assert set(runs.groups) <= every_run  # a run that never drafted has no step rows
+    for key, r in runs:
+        assert r["step"].tolist() == list(range(len(r))) and len(r) <= max(p["chain_depth"], p["tree_depth"])
+        att, acc = r["n_attempts"].to_numpy(), r["n_accepts"].to_numpy()
+        assert (acc >= 0).all() and (acc <= att).all(), key
+        assert (att[1:] <= acc[:-1]).all(), f"{key}: step k+1 is tried only after step k was accepted"
+        alpha = np.where(att > 0, acc / np.maximum(att, 1), np.nan)
+        np.testing.assert_allclose(r["alpha_conditional"], alpha, equal_nan=True)
+        np.testing.assert_allclose(r["p_reach"], np.cumprod(alpha), equal_nan=True)
+    for key, row in zip(keys, summary.itertuples()):
+        n_questions = p["n_questions"] if row.temperature == 0 else p["n_questions_sampled"]
+        assert row.n_generations == 2 * n_questions and 1 <= row.mat <= 1 + max(
+            p["chain_depth"], p["tree_depth"]
+        )
+        first = runs.get_group(key)["alpha_conditional"].iloc[0] if key in runs.groups else math.nan
+        assert row.alpha_0 == pytest.approx(first, nan_ok=True), key
+    # the target drafting for itself at T=0 accepts everything: its MAT follows from the lengths alone
+    self_chain = summary.query("drafter == 'self' and mode == 'chain' and temperature == 0").iloc[0]
+    assert self_chain["alpha_0"] == 1.0
+    if self_chain["n_tokens"] == self_chain["n_generations"] * p["max_new_tokens"]:  # no stop token
+        cycles = all_accepted_cycles(p["max_new_tokens"], p["chain_depth"])
+        assert self_chain["mat"] == pytest.approx(sum(a + 1 for a in cycles) / len(cycles))
+
+
+def test_saved_tables_of_notebook_05(smoke_run):
+    p, configs = smoke_params("05"), trained_configs()
+    summary = table(
+        "kv_gradient_summary", ["drafter", "kv_frac_small", "kv_position_share", "spearman_received_vs_grad"]
+    )
+    assert sorted(summary["drafter"]) == sorted(c.name for c in configs), "one row per drafter of notebook 02"
+    for column in ("kv_frac_small", "others_frac_small", "kv_position_share", "attention_on_own_branch"):
+        assert within(summary[column].dropna(), 0, 1), column
+    assert within(summary["spearman_received_vs_grad"].dropna(), -1, 1)
+    remedies = list(p["remedies"])
+    acc = table("remedy_per_step_accuracy", ["drafter", "draft_step", "accuracy"])
+    eval_steps = parse_drafter_specs([{**p["remedy_drafter"], "name": "x"}])[0].eval_steps
+    assert sorted(zip(acc["drafter"], acc["draft_step"])) == sorted(
+        (r, k) for r in remedies for k in range(eval_steps)
+    )
+    assert within(acc["accuracy"], 0, 1)
+    times = table("remedy_training_times", ["drafter", "train_steps"])
+    assert times["drafter"].tolist() == remedies and (times["train_steps"] == p["remedy_train_steps"]).all()
+
+
+def test_saved_tables_of_notebook_06(smoke_run):
+    p = smoke_params("06")
+    drafters = [c.name for c in trained_configs()] + p["baseline_drafters"]
+    speed = table(
+        "speedup",
+        ["method", "drafter", "temperature", "tokens_per_s", "speedup_vs_ar", "mat", "exact_match_vs_ar"],
+    )
+    want = []
+    for t in p["temperatures"]:
+        want.append(("ar", "-", t))
+        for m in p["methods"]:
+            if m in ("chain", "tree"):
+                want += [(m, d, t) for d in drafters]
+            elif m == "hf_generate" or (m == "hf_prompt_lookup" and t == 0):
+                want.append((m, "ngram" if m == "hf_prompt_lookup" else "-", t))
+    assert sorted(zip(speed["method"], speed["drafter"], speed["temperature"])) == sorted(want)
+    assert (speed["n_prompts"] == p["n_questions"] * p["turns"]).all()
+    assert (speed["tokens_per_s"] > 0).all() and (speed["speedup_vs_ar"] > 0).all()
+    greedy = speed[speed["temperature"] == 0]
+    assert (greedy["exact_match_vs_ar"] == 1.0).all(), "at T=0 every method reproduces plain decoding"
+    spec = speed["method"].isin(["chain", "tree"])
+    assert (speed.loc[spec, "mat"] >= 1).all() and speed.loc[~spec, "mat"].isna().all()
+    assert set(speed.loc[speed["method"].isin(HF_METHODS), "drafter"]) <= {"-", "ngram"}
+    self_chain = greedy.query("method == 'chain' and drafter == 'self'").iloc[0]
+    if self_chain["n_tokens"] == self_chain["n_prompts"] * p["max_new_tokens"]:  # no stop token
+        cycles = all_accepted_cycles(p["max_new_tokens"], p["chain_depth"])
+        assert self_chain["mat"] == pytest.approx(sum(a + 1 for a in cycles) / len(cycles))
