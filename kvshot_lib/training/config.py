@@ -24,7 +24,7 @@ class TrainConfig:
     regime: (
         str  # "tf" (teacher forcing) | "ttt" | "ttt_dense" (TTT with dense per-position losses) | "parallel"
     )
-    name: str = ""  # checkpoint folder name; default "<paradigm>-<regime>"
+    name: str = ""  # checkpoint folder name; default "<paradigm>-<regime>" ("block-<context>")
     # architecture
     n_layers: int = 1
     kv_mode: str = "concat"  # "concat" | "linear" | "linear_rope"
@@ -74,8 +74,8 @@ class TrainConfig:
     save_every: int = 50  # resumable state every n steps
 
     def __post_init__(self):
-        if not self.name:
-            self.name = f"{self.paradigm}-{self.regime}"
+        if not self.name:  # the block drafter is named by its context: block-kv, block-hidden, block-both
+            self.name = f"block-{self.context}" if self.paradigm == "block" else f"{self.paradigm}-{self.regime}"
         self.adam_betas = tuple(self.adam_betas)
         if self.step_decay is None:
             self.step_decay = 0.8 if self.regime != "ttt_dense" else 1.0
