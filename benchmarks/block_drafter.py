@@ -53,7 +53,9 @@ def main() -> int:
     p.add_argument("--n-questions", type=int, default=8, help="MT-bench questions (both turns)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--train-only", action="store_true", help="train the rows, evaluate nothing (parallel runs)")
+    p.add_argument(
+        "--train-only", action="store_true", help="train the rows, evaluate nothing (parallel runs)"
+    )
     p.add_argument(
         "--out", default=None, help="JSON file (default benchmarks/results/block_drafter_<cpu>.json)"
     )

@@ -75,7 +75,9 @@ class TrainConfig:
 
     def __post_init__(self):
         if not self.name:  # the block drafter is named by its context: block-kv, block-hidden, block-both
-            self.name = f"block-{self.context}" if self.paradigm == "block" else f"{self.paradigm}-{self.regime}"
+            self.name = (
+                f"block-{self.context}" if self.paradigm == "block" else f"{self.paradigm}-{self.regime}"
+            )
         self.adam_betas = tuple(self.adam_betas)
         if self.step_decay is None:
             self.step_decay = 0.8 if self.regime != "ttt_dense" else 1.0
