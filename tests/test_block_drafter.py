@@ -229,6 +229,37 @@ def test_greedy_equals_plain_decoding_with_one_forward_per_cycle(
     assert accepted / attempted > 0.1, f"the block drafter accepted only {accepted / attempted:.3f}"
 
 
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_sampled_output_follows_the_target_distribution(llama, prompts, trained, mode):
+    """Temperature 1, top-k 2: the first four tokens decoded with the block drafter (rejection rule in the chain,
+    sample-and-match in the tree) follow the target's exact joint distribution (chi-square, 200 seeds)."""
+    from scipy.stats import chisquare
+    from test_decoding_sampling import exact_joint
+
+    if trained.cfg.context != "kv":
+        pytest.skip("the sampling rule does not depend on the context; one drafter suffices")
+    prompt, n_runs = (
+        prompts[0],
+        200,
+    )  # a prompt whose greedy continuation it was trained on: it gets some right
+    joint = exact_joint(llama, prompt, 4, 1.0, 2)
+    cfg = dict(mode=mode, temperature=1.0, top_k=2, max_new_tokens=4, stop_token_ids=(), chain_depth=3)
+    cfg.update(tree_depth=3, tree_top_k=2, tree_budget=6)
+    counts, accepted = dict.fromkeys(joint, 0), 0
+    for seed in range(n_runs):
+        out = speculative_generate(llama, trained, prompt, DecodeConfig(seed=seed, **cfg))
+        counts[tuple(out.token_ids)] += 1  # a KeyError would mean an impossible output
+        accepted += sum(out.step_accepts)
+    total = sum(joint.values())
+    big = [k for k in sorted(joint) if joint[k] / total * n_runs >= 5]  # pool the rare outcomes
+    observed, expected = [counts[k] for k in big], [joint[k] / total * n_runs for k in big]
+    if len(big) < len(joint):
+        observed.append(n_runs - sum(observed))
+        expected.append(n_runs - sum(expected))
+    assert chisquare(observed, expected).pvalue > 1e-4
+    assert 0 < accepted < n_runs * 3, "the test needs both accepted and rejected drafts"
+
+
 COPY_ALPHABET = torch.arange(16) * 37 + 200  # 16 target token ids
 PERIOD, COPY_LEN = 5, 32
 
