@@ -53,6 +53,10 @@ def main() -> int:
     p.add_argument("--n-questions", type=int, default=8, help="MT-bench questions (both turns)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--baselines", nargs="*", default=["ngram"], help="untrained drafters measured alongside")
+    p.add_argument(
+        "--extra", nargs="*", default=[], help="other trained checkpoint folders measured alongside"
+    )
     p.add_argument(
         "--train-only", action="store_true", help="train the rows, evaluate nothing (parallel runs)"
     )
@@ -64,6 +68,7 @@ def main() -> int:
 
     from kvshot_lib import corpus
     from kvshot_lib.decoding import DecodeConfig
+    from kvshot_lib.drafters import resolve_drafter
     from kvshot_lib.evaluation.acceptance import (
         acceptance_summary,
         acceptance_table,
@@ -120,9 +125,9 @@ def main() -> int:
     base = DecodeConfig(
         max_new_tokens=args.max_new_tokens, chain_depth=7, tree_depth=7, tree_top_k=4, tree_budget=24
     )
-    runs = run_greedy_replay(
-        target, {r.config.name: r.drafter for r in results}, refs, mode_configs(base, ("chain", "tree"))
-    )
+    drafters = {name: resolve_drafter(name, target) for name in [*args.baselines, *args.extra]}
+    drafters.update({r.config.name: r.drafter for r in results})
+    runs = run_greedy_replay(target, drafters, refs, mode_configs(base, ("chain", "tree")))
     summary, by_step = acceptance_summary(runs), acceptance_table(runs, max_steps=7)
     print(per_step.pivot(index="drafter", columns="draft_step", values="accuracy").round(3).to_string())
     if len(ablation):
