@@ -28,7 +28,7 @@ from kvshot_lib.training import (
     target_sequence,
 )
 
-COMBOS = [(p, r) for p in ("hidden", "kv", "hybrid") for r in ("tf", "ttt", "block")]
+COMBOS = [(p, r) for p in ("hidden", "kv", "hybrid") for r in ("tf", "ttt", "ttt_dense")]
 
 
 def main() -> None:

@@ -45,7 +45,7 @@ def weighted_kl(parts, decay=0.8):
 
 @pytest.mark.parametrize(
     "paradigm,regime",
-    [("hidden", "ttt"), ("kv", "ttt"), ("hybrid", "ttt"), ("kv", "block"), ("hidden", "tf")],
+    [("hidden", "ttt"), ("kv", "ttt"), ("hybrid", "ttt"), ("kv", "ttt_dense"), ("hidden", "tf")],
 )
 def test_overfits_one_batch(peaky, paradigm, regime):
     torch.manual_seed(0)
@@ -197,6 +197,6 @@ def test_bad_parameters_are_refused(params, message):
 
 def test_regime_defaults():
     assert TrainConfig.from_params(dict(paradigm="hidden", regime="ttt")).step_decay == 0.8
-    block = TrainConfig.from_params(dict(paradigm="hybrid", regime="block"))
+    block = TrainConfig.from_params(dict(paradigm="hybrid", regime="ttt_dense"))
     assert block.kv_align_weight == 1.0 and block.feature_loss_weight == 1.0 and block.n_train_steps == 7
     assert TrainConfig.from_params(dict(paradigm="kv", regime="tf")).n_train_steps == 1

@@ -79,7 +79,7 @@ def sequence():
 
 
 @pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid"])
-@pytest.mark.parametrize("regime,K", [("tf", 1), ("ttt", 3), ("block", 3)])
+@pytest.mark.parametrize("regime,K", [("tf", 1), ("ttt", 3), ("ttt_dense", 3)])
 def test_loss_matches_direct_reference(tiny_llama, sequence, paradigm, regime, K):
     """The regime's token loss equals a per-branch, per-step soft cross-entropy computed with decode sessions."""
     ids, lmask = sequence
@@ -105,21 +105,21 @@ def test_loss_matches_direct_reference(tiny_llama, sequence, paradigm, regime, K
             if P + 1 + k < T and lmask[P + 1 + k]:  # predicted token exists and is an assistant token
                 per_step[k].append(-(p_target[P + k] * torch.log_softmax(lg, -1)).sum())
     means = [torch.stack(x).mean() for x in per_step]
-    weights = [1.0 if regime == "block" else 0.8**k for k in range(K)]
+    weights = [1.0 if regime == "ttt_dense" else 0.8**k for k in range(K)]
     reference = sum(w * m for w, m in zip(weights, means))
     torch.testing.assert_close(loss, reference, atol=1e-4, rtol=1e-5)
     assert parts["n"] == [len(x) for x in per_step]
 
 
 def test_block_kv_alignment_against_direct_reference(tiny_llama, sequence):
-    """Block-wise: a one-layer KV-only drafter's own key at step s, branch i, is k_proj(norm(emb(x_{i+1+s}))) at
+    """TTT-dense: a one-layer KV-only drafter's own key at step s, branch i, is k_proj(norm(emb(x_{i+1+s}))) at
     position i+1+s; the loss regresses it (and the value) onto the target's cached K/V at that position."""
     ids, lmask = sequence
     T, K = len(ids), 3
     cfg = drafter_config_for(tiny_llama, "kv", draft_vocab_size=512)
     d = build_drafter(cfg, tiny_llama, torch.arange(512), seed=0)
     batch = batch_from_target(tiny_llama, ids, torch.zeros(T, dtype=torch.bool), cfg)  # no token loss at all
-    loss, parts = regime_loss(d, batch, d(batch, K), "block", 1.0, kv_align_weight=1.0)
+    loss, parts = regime_loss(d, batch, d(batch, K), "ttt_dense", 1.0, kv_align_weight=1.0)
     layer = d.layers[0]
     with torch.no_grad():
         a = layer.input_norm(d.embed(ids))  # [T, H]

@@ -1,4 +1,7 @@
-"""The drafters stage: the decode-time contract (``base``), the three trainable paradigms, and the baselines.
+"""The drafters stage: the decode-time contract (``base``), the trainable paradigms, and the baselines.
+
+Trainable: hidden-only (EAGLE-3), KV-only, hybrid, and the block drafter (``block.py``, DFlash-style parallel
+drafting of a whole block in one forward, with its session in ``block_session.py``).
 
 * :func:`load_drafter` (checkpoint folder, target) -> a drafter that is also a ``SessionFactory``;
 * :func:`build_drafter` / :func:`drafter_config_for` make a fresh one; :func:`save_drafter` writes one;

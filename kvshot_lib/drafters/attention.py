@@ -6,7 +6,10 @@
   visible), e.g. the target's KV cache, the drafter's own context cache, or the nodes of a draft tree;
 * ``diag`` segments: keys ``[B, kvH, n, D]`` aligned one-to-one with the ``n`` queries, each query seeing
   only its own row. This is how EAGLE-3's training-time test (TTT) lets step ``k`` at index ``i`` see the
-  own keys of steps ``1..k`` *of its own branch* without building a ``[K*T, K*T]`` mask.
+  own keys of steps ``1..k`` *of its own branch* without building a ``[K*T, K*T]`` mask;
+* ``block`` segments: keys ``[B, kvH, n, D]`` aligned with the ``n`` queries in consecutive blocks of
+  ``size`` rows, each query seeing every key of its own block (the block drafter's bidirectional block,
+  ``drafters/block.py``) without building an ``[n, n]`` mask.
 
 The result equals plain softmax attention over the concatenated keys with the equivalent dense mask
 (``tests/test_training_ttt.py`` checks both the mask and this equivalence). Every segment may carry a
@@ -65,12 +68,13 @@ def undo_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Segment:
     k: Tensor  # [B, kvH, S, D] (dense) or [B, kvH, n, D] (diag)
     v: Tensor  # same shape as k
-    kind: str = "dense"  # "dense" | "diag"
+    kind: str = "dense"  # "dense" | "diag" | "block"
     mask: Tensor | None = None  # [n, S] or [B, 1, 1, n, S] bool, True = visible (dense only)
     tag: tuple | None = None  # e.g. ("own", layer, step) or ("target", layer); for the attention recorder
     rows: Tensor | None = None  # diag keys gathered from these positions of the tagged tensor (recorder)
     dist: Tensor | None = None  # [n, S] long: query position - key position (dense target segments)
     bias: Tensor | None = None  # [h, n, S] additive score bias per query head (e.g. a recency bias of dist)
+    size: int = 0  # rows per block ("block" segments only)
 
 
 def segmented_attention(q: Tensor, segments: list[Segment], recorder=None) -> Tensor:
@@ -92,6 +96,10 @@ def segmented_attention(q: Tensor, segments: list[Segment], recorder=None) -> Te
                 sc = sc + s.bias.reshape(1, kvh, g * n, -1)  # [h, n, S] -> [1, kvH, g*n, S]
             if s.mask is not None:
                 sc = sc.view(B, kvh, g, n, -1).masked_fill_(~s.mask, float("-inf")).view(B, kvh, g * n, -1)
+        elif s.kind == "block":
+            L = s.size
+            kb = s.k.view(B, kvh, 1, n // L, L, D)  # [B, kvH, 1, n/L, L, D]
+            sc = (qg.view(B, kvh, g, n // L, L, D) @ kb.transpose(-1, -2)).view(B, kvh, g * n, L)  # [.., L]
         else:
             sc = (
                 (qg.view(B, kvh, g, n, D) * s.k.unsqueeze(2)).sum(-1).view(B, kvh, g * n, 1)
@@ -107,6 +115,10 @@ def segmented_attention(q: Tensor, segments: list[Segment], recorder=None) -> Te
     for s, e in zip(segments, exps):
         if s.kind == "dense":
             o = e @ s.v  # [B, kvH, g*n, D]
+        elif s.kind == "block":
+            L = s.size
+            vb = s.v.view(B, kvh, 1, n // L, L, D)  # [B, kvH, 1, n/L, L, D]
+            o = (e.view(B, kvh, g, n // L, L, L) @ vb).view(B, kvh, g * n, D)
         else:
             o = (e.view(B, kvh, g, n, 1) * s.v.unsqueeze(2)).view(B, kvh, g * n, D)
         out = o if out is None else out + o

@@ -23,11 +23,14 @@ CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 
 def drafter_class(paradigm: str):
+    from .block import BlockDrafter
     from .hidden import HiddenDrafter
     from .hybrid import HybridDrafter
     from .kv import KVDrafter
 
-    return {"hidden": HiddenDrafter, "kv": KVDrafter, "hybrid": HybridDrafter}[paradigm]
+    classes = {"hidden": HiddenDrafter, "kv": KVDrafter, "hybrid": HybridDrafter}
+    classes.update(block=BlockDrafter)
+    return classes[paradigm]
 
 
 def build_drafter(cfg: DrafterConfig, target, d2t: torch.Tensor, seed: int | None = None):

@@ -11,13 +11,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 PARADIGMS = ("hidden", "kv", "hybrid")
+PARADIGMS += ("block",)  # the parallel block drafter (DFlash-style; drafters/block.py), trained by "parallel"
+BLOCK_CONTEXTS = ("kv", "hidden", "both")  # what of the target a block drafter reads
 KV_MODES = ("concat", "linear", "linear_rope")
-REGIMES = ("tf", "ttt", "block")
-TARGET_KV = ("real", "zeroed")
-KV_SOFTMAX = (
-    "shared",
-    "separate",
-)  # KV-only: target and own K/V in one softmax, or one softmax each  # what a KV-reading drafter is given: the target's K/V, or zeros (a control)
+REGIMES = ("tf", "ttt", "ttt_dense", "parallel")  # parallel: the block drafter's own regime
+TARGET_KV = ("real", "zeroed")  # what a KV-reading drafter is given: the target's K/V, or zeros (a control)
+KV_SOFTMAX = ("shared", "separate")  # KV-only: target and own K/V in one softmax, or one softmax each
 FORMAT = "kvshot-drafter/1"
 
 
@@ -31,7 +30,7 @@ class DrafterTargetMismatch(ValueError):
 
 @dataclass
 class DrafterConfig:
-    paradigm: str  # "hidden" | "kv" | "hybrid"
+    paradigm: str  # "hidden" | "kv" | "hybrid" | "block"
     n_layers: int
     hidden_size: int
     intermediate_size: int
@@ -52,9 +51,9 @@ class DrafterConfig:
     target_n_layers: int
     kv_recency: int = 0  # KV-only: window W of the learned recency bias on target-KV scores (0 = none)
     target_kv: str = "real"  # KV-reading drafters: "real", or "zeroed" (the control: every target K/V is 0)
-    kv_softmax: str = (
-        "shared"  # KV-only: one softmax over target + own K/V ("shared"), or one each ("separate")
-    )
+    kv_softmax: str = "shared"  # KV-only: one softmax over target + own K/V ("shared"), or one each
+    context: str = ""  # block drafter: "kv" | "hidden" | "both" (what of the target it reads); "" otherwise
+    block_size: int = 0  # block drafter: K, the tokens one forward drafts; 0 otherwise
     vocab_hash: str = ""
     name: str = ""
     regime: str = ""
@@ -68,11 +67,11 @@ class DrafterConfig:
 
     @property
     def uses_hidden(self) -> bool:
-        return self.paradigm in ("hidden", "hybrid")
+        return self.paradigm in ("hidden", "hybrid") or self.context in ("hidden", "both")
 
     @property
     def uses_target_kv(self) -> bool:
-        return self.paradigm in ("kv", "hybrid")
+        return self.paradigm in ("kv", "hybrid") or self.context in ("kv", "both")
 
     @property
     def n_injected_heads(self) -> int:
@@ -95,7 +94,14 @@ class DrafterConfig:
             bad(f"target_kv must be one of {TARGET_KV}, got {self.target_kv!r}.")
         if self.kv_softmax not in KV_SOFTMAX:
             bad(f"kv_softmax must be one of {KV_SOFTMAX}, got {self.kv_softmax!r}.")
-        top = 4 if self.paradigm == "kv" else 8
+        top = {"kv": 4, "block": 5}.get(self.paradigm, 8)
+        if self.paradigm == "block" and (self.context not in BLOCK_CONTEXTS or self.block_size < 1):
+            bad(
+                f"the block drafter needs context in {BLOCK_CONTEXTS} and block_size >= 1, got "
+                f"context={self.context!r}, block_size={self.block_size!r}."
+            )
+        if self.paradigm != "block" and (self.context or self.block_size):
+            bad(f"context and block_size belong to the block drafter, not to the {self.paradigm} drafter.")
         if not isinstance(self.n_layers, int) or not 1 <= self.n_layers <= top:
             bad(
                 f"n_layers must be an integer in 1..{top} for the {self.paradigm} drafter, got {self.n_layers!r}."
@@ -121,22 +127,17 @@ class DrafterConfig:
     @classmethod
     def from_dict(cls, d: dict) -> DrafterConfig:
         names = {f.name for f in fields(cls)}
-        missing = sorted(
-            n
-            for n in names
-            if n not in d
-            and n
-            not in (
-                "kv_recency",
-                "target_kv",
-                "kv_softmax",
-                "vocab_hash",
-                "name",
-                "regime",
-                "format",
-                "extra",
-            )
+        optional = (
+            "kv_recency",
+            "target_kv",
+            "context",
+            "block_size",
+            "kv_softmax",
+            "vocab_hash",
+            "name",
+            "regime",
         )
+        missing = sorted(n for n in names if n not in d and n not in (*optional, "format", "extra"))
         if missing:
             raise DrafterConfigError(f"drafter config lacks {missing}; it is not a {FORMAT} config.")
         unknown = sorted(set(d) - names)
@@ -169,6 +170,8 @@ def drafter_config_for(
     kv_recency: int = 0,
     target_kv: str = "real",
     kv_softmax: str = "shared",
+    context: str = "",
+    block_size: int = 0,
 ) -> DrafterConfig:
     """A drafter config whose widths follow the target's (as EAGLE-3 does). ``target`` is a loaded Target."""
     info = target.info
@@ -177,6 +180,9 @@ def drafter_config_for(
     default_layers = tuple(info.default_hidden_layers())
     hidden_layers = tuple(hidden_layers or default_layers) if paradigm != "kv" else ()
     kv_layers = tuple(kv_layers or default_layers) if paradigm != "hidden" else ()
+    if paradigm == "block":  # it reads what its context names
+        hidden_layers = hidden_layers if context in ("hidden", "both") else ()
+        kv_layers = kv_layers if context in ("kv", "both") else ()
     return DrafterConfig(
         paradigm=paradigm,
         n_layers=n_layers,
@@ -200,6 +206,8 @@ def drafter_config_for(
         kv_recency=kv_recency if paradigm == "kv" else 0,
         target_kv=target_kv,
         kv_softmax=kv_softmax,
+        context=context,
+        block_size=block_size,
         name=name,
         regime=regime,
     )

@@ -87,7 +87,7 @@ class UnrollContext:
     """The attention segments of one unrolled forward; keeps every step's own keys/values per layer.
 
     ``own[layer][step] = (k, v)``, each ``[B, kvH, n, D]`` post-RoPE (``n = N`` at step 0, ``M`` at later steps
-    when only the branches ``branches [M]`` are unrolled), is what the block-wise K/V losses and the
+    when only the branches ``branches [M]`` are unrolled), is what the ttt_dense K/V losses and the
     gradient probes read after the forward. ``step`` is set by the drafter before each step.
     """
 

@@ -32,7 +32,7 @@ PARADIGM_COLORS = {
     "early-exit": _PALETTE[8],  # yellow
     "random": (0.0, 0.0, 0.0),
 }
-REGIME_STYLES = {"tf": ":", "ttt": "-", "block": "--", "parallel": "-."}
+REGIME_STYLES = {"tf": ":", "ttt": "-", "ttt_dense": "--", "parallel": "-."}
 MODE_STYLES = {"chain": "-", "tree": "--"}
 
 RC = {

@@ -57,7 +57,10 @@ def plot_training_curves(history: pd.DataFrame, smooth: int = 10):
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
     axes[1].legend(frameon=False)
-    fig.suptitle("Drafter training (color: paradigm, line: regime — dotted tf, solid TTT, dashed block)")
+    fig.suptitle(
+        "Drafter training (color: paradigm, line: regime — dotted tf, solid TTT, dashed TTT-dense, "
+        "dash-dot parallel)"
+    )
     fig.tight_layout()
     return fig
 

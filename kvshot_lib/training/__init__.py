@@ -2,7 +2,8 @@
 
 * :class:`TrainConfig` (and :func:`parse_drafter_specs` for a notebook's list of drafters) is the one place
   a parameter dict becomes a validated configuration;
-* :func:`train_drafter` trains one drafter under teacher forcing, TTT or block-wise training, with held-out
+* :func:`train_drafter` trains one drafter under teacher forcing, TTT, TTT with dense
+  per-position losses (``ttt_dense``) or parallel block drafting (``parallel``), with held-out
   per-step accuracy, gradient probes, resume, and ``accelerate``;
 * :mod:`.grad_probes` measures how much gradient reaches each parameter group and each K/V position.
 

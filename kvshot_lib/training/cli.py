@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..drafters.config import PARADIGMS, REGIMES
+
 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("train", help="train one drafter (paradigm x regime) on the feature store")
     p.add_argument("--target", default="smollm2-135m", help="preset, Hugging Face id or local path")
-    p.add_argument("--paradigm", required=True, choices=("hidden", "kv", "hybrid"))
-    p.add_argument("--regime", required=True, choices=("tf", "ttt", "block"))
+    p.add_argument("--paradigm", required=True, choices=PARADIGMS)
+    p.add_argument("--regime", required=True, choices=REGIMES)
     p.add_argument("--out", required=True, help="checkpoint folder, e.g. runs/default/drafters/kv-ttt")
     p.add_argument(
         "--set",

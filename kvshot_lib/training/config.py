@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from ..drafters.config import KV_MODES, KV_SOFTMAX, PARADIGMS, REGIMES, TARGET_KV
+from ..drafters.config import BLOCK_CONTEXTS, KV_MODES, KV_SOFTMAX, PARADIGMS, REGIMES, TARGET_KV
 from .grad_probes import GROUPS
 
 
@@ -21,8 +21,10 @@ class TrainConfigError(ValueError):
 @dataclass
 class TrainConfig:
     paradigm: str  # "hidden" | "kv" | "hybrid"
-    regime: str  # "tf" (teacher forcing) | "ttt" | "block"
-    name: str = ""  # checkpoint folder name; default "<paradigm>-<regime>"
+    regime: (
+        str  # "tf" (teacher forcing) | "ttt" | "ttt_dense" (TTT with dense per-position losses) | "parallel"
+    )
+    name: str = ""  # checkpoint folder name; default "<paradigm>-<regime>" ("block-<context>")
     # architecture
     n_layers: int = 1
     kv_mode: str = "concat"  # "concat" | "linear" | "linear_rope"
@@ -33,6 +35,9 @@ class TrainConfig:
     kv_recency: int = 32  # window of the learned recency bias on the target-KV scores (0 = off)
     target_kv: str = "real"  # "zeroed": the control, trained (and decoding) with every target K/V set to 0
     kv_softmax: str = "separate"  # "shared": target and own K/V in one softmax
+    context: str = (
+        ""  # block drafter: "kv" | "hidden" | "both" (its target context); "zeroed" zeroes all of it
+    )
     hidden_layers: list[int] | None = None  # None = EAGLE-3's (1, L/2-1, L-4)
     kv_layers: list[int] | None = None  # None = the same layers
     draft_vocab_size: int = 8192
@@ -49,16 +54,14 @@ class TrainConfig:
     mixed_precision: str = "no"  # "no" | "bf16" | "fp16" | "auto" (accelerate's launch config decides)
     seed: int = 0
     # regime
-    ttt_steps: int = 7  # K: unrolled steps (ttt) or block length (block); teacher forcing uses 1
+    ttt_steps: int = 7  # K: unrolled steps (ttt, ttt_dense) or drafted block length (parallel); tf uses 1
     step_decay: float | None = (
-        None  # step i weighs step_decay**i; None = 0.8 (ttt); block weighs every step 1
+        None  # step i weighs step_decay**i; None = 0.8 (ttt, parallel); ttt_dense weighs every step 1
     )
-    feature_loss_weight: float | None = None  # None = 0 (tf, ttt), 1.0 (block; hidden and hybrid drafters)
-    kv_align_weight: float | None = None  # None = 1.0 for block, 0 otherwise
+    feature_loss_weight: float | None = None  # None = 0, or 1.0 for ttt_dense (hidden, hybrid)
+    kv_align_weight: float | None = None  # None = 1.0 for ttt_dense, 0 otherwise
     detach_chain: bool = False  # stop gradients between unrolled steps through the reused hidden state
-    branch_fraction: float = (
-        1.0  # share of branches unrolled past step 0 (1.0 = all, as EAGLE-3; < 1 is cheaper)
-    )
+    branch_fraction: float = 1.0  # share of branches unrolled past step 0 (1.0 = all, as EAGLE-3; < 1 is cheaper)  # parallel: the share of a sequence's positions that anchor a block (random, per sequence and step)
     # remedies for the K/V-projection gradient (notebook 05)
     grad_scale: dict = field(
         default_factory=dict
@@ -75,15 +78,17 @@ class TrainConfig:
     save_every: int = 50  # resumable state every n steps
 
     def __post_init__(self):
-        if not self.name:
-            self.name = f"{self.paradigm}-{self.regime}"
+        if not self.name:  # the block drafter is named by its context: block-kv, block-hidden, block-both
+            self.name = (
+                f"block-{self.context}" if self.paradigm == "block" else f"{self.paradigm}-{self.regime}"
+            )
         self.adam_betas = tuple(self.adam_betas)
         if self.step_decay is None:
-            self.step_decay = 0.8 if self.regime != "block" else 1.0
+            self.step_decay = 0.8 if self.regime != "ttt_dense" else 1.0
         if self.feature_loss_weight is None:
-            self.feature_loss_weight = 1.0 if self.regime == "block" and self.paradigm != "kv" else 0.0
+            self.feature_loss_weight = 1.0 if self.regime == "ttt_dense" and self.paradigm != "kv" else 0.0
         if self.kv_align_weight is None:
-            self.kv_align_weight = 1.0 if self.regime == "block" else 0.0
+            self.kv_align_weight = 1.0 if self.regime == "ttt_dense" else 0.0
         self.validate()
 
     @property
@@ -104,7 +109,8 @@ class TrainConfig:
             bad(f"paradigm must be one of {PARADIGMS}, got {self.paradigm!r}.")
         if self.regime not in REGIMES:
             bad(
-                f"regime must be one of {REGIMES} (teacher forcing, training-time test, block-wise), got {self.regime!r}."
+                f"regime must be one of {REGIMES} (teacher forcing, training-time test, TTT with dense "
+                f"per-position losses, parallel block drafting), got {self.regime!r}."
             )
         if self.kv_mode not in KV_MODES:
             bad(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}.")
@@ -116,7 +122,8 @@ class TrainConfig:
             bad(f"kv_softmax must be one of {KV_SOFTMAX}, got {self.kv_softmax!r}.")
         if self.kv_recency < 0:
             bad(f"kv_recency must be >= 0 (0 = no recency bias), got {self.kv_recency}.")
-        top = 4 if self.paradigm == "kv" else 8
+        self._validate_block(bad)
+        top = {"kv": 4, "block": 5}.get(self.paradigm, 8)
         if not 1 <= self.n_layers <= top:
             bad(f"n_layers must be in 1..{top} for the {self.paradigm} drafter, got {self.n_layers}.")
         for name in (
@@ -145,6 +152,26 @@ class TrainConfig:
                 bad(f"{name} names unknown parameter groups {unknown}; groups are {GROUPS}.")
             if any(not isinstance(v, (int, float)) or v <= 0 for v in d.values()):
                 bad(f"{name} factors must be positive numbers, got {d}.")
+
+    def _validate_block(self, bad) -> None:
+        """The block drafter (paradigm ``block``) and its regime ``parallel`` go together."""
+        if (self.paradigm == "block") != (self.regime == "parallel"):
+            bad(
+                f"the block drafter trains under regime 'parallel' only, and 'parallel' trains the block drafter "
+                f"only; got paradigm {self.paradigm!r} with regime {self.regime!r}."
+            )
+        if self.paradigm == "block" and self.context not in BLOCK_CONTEXTS:
+            bad(f"the block drafter needs context in {BLOCK_CONTEXTS}, got {self.context!r}.")
+        if self.paradigm != "block" and self.context:
+            bad(f"context is a block-drafter parameter; the {self.paradigm} drafter has none.")
+        if self.regime == "parallel" and (
+            self.kv_align_weight or self.feature_loss_weight or self.detach_chain
+        ):
+            bad(
+                "kv_align_weight, feature_loss_weight and detach_chain belong to the unrolled regimes, not to 'parallel'."
+            )
+        if self.paradigm == "block" and self.kv_recency:
+            bad("kv_recency is a KV-only drafter parameter; the block drafter has none.")
 
     @classmethod
     def from_params(cls, params: dict, defaults: dict | None = None) -> TrainConfig:

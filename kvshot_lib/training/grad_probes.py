@@ -108,8 +108,10 @@ class GradProbe:
             N: valid,
             N + 1: torch.cat([valid[:, :1], valid], dim=1),
         }  # target KV rows: T = N+1
-        if branches is not None:
+        if branches is not None and branches.dim() == 1:
             self._valid_by_len.setdefault(len(branches), valid[:, branches])  # steps >= 1: the kept branches
+        elif branches is not None:  # [B, M]: per-sequence rows (the block drafter's anchors)
+            self._valid_by_len.setdefault(branches.shape[1], valid.gather(1, branches))
         self.rel_threshold = rel_threshold
         self.keep_samples = keep_samples
         self.positions: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # group -> [nonzero, total]
@@ -151,6 +153,10 @@ class GradProbe:
 
         return hook
 
+    def register_rows(self, valid: Tensor) -> None:
+        """Validity ``[B, n]`` of a drafter's own rows of length ``n`` (the block drafter's block rows)."""
+        self._valid_by_len[valid.shape[1]] = valid
+
     def own_kv(self, layer: int, step: int, k: Tensor, v: Tensor) -> None:
         if k.requires_grad:
             k.retain_grad()
@@ -170,6 +176,9 @@ class GradProbe:
             tag = s.tag
             if s.kind == "dense":
                 rec = p.sum(dim=(1, 2, 3))  # [B, S]: attention received by each key, over heads and queries
+            elif s.kind == "block":  # p [B, kvH, g, n, L]: query row r sees key (r // L) * L + j
+                B_, _, _, n_, L = p.shape
+                rec = p.reshape(B_, -1, n_ // L, L, L).sum(dim=(1, 3)).reshape(B_, n_)  # [B, n]
             else:
                 rec = p.sum(dim=(1, 2, 4))  # [B, n]
             if s.rows is not None:  # gathered diag keys: scatter back to the tensor's positions

@@ -107,8 +107,13 @@ def evaluate_per_step(
     if accelerator is not None and accelerator.num_processes > 1:
         stacked = accelerator.reduce(torch.cat([hit, ce, cnt, inside]).to(accelerator.device), "sum").cpu()
         hit, ce, cnt, inside = stacked.split([n_steps, n_steps, n_steps, 2])
-    out = {f"acc_{k}": float(hit[k] / max(cnt[k], 1)) for k in range(n_steps)}
-    out.update({f"ce_{k}": float(ce[k] / max(cnt[k], 1)) for k in range(n_steps)})
+    drafted = getattr(drafter, "max_steps", n_steps)  # a block drafter drafts at most its block: NaN past it
+    out = {
+        f"acc_{k}": float(hit[k] / max(cnt[k], 1)) if k < drafted else float("nan") for k in range(n_steps)
+    }
+    out.update(
+        {f"ce_{k}": float(ce[k] / max(cnt[k], 1)) if k < drafted else float("nan") for k in range(n_steps)}
+    )
     out.update({f"n_{k}": int(cnt[k]) for k in range(n_steps)})
     out["ceiling"] = float(inside[0] / max(inside[1], 1))
     return out

@@ -1,4 +1,4 @@
-"""Train a drafter (hidden / KV / hybrid) under a regime (teacher forcing / TTT / block-wise).
+"""Train a drafter (hidden / KV / hybrid) under a regime (teacher forcing / TTT / TTT-dense / parallel).
 
 ``train_drafter(target, train_store, eval_store, config, out_dir)`` trains on the feature store, logs the
 training loss, the per-step held-out accuracy and the gradient probes, and writes into ``out_dir``:
@@ -37,7 +37,7 @@ from .batches import StoreBatches
 from .config import TrainConfig
 from .grad_probes import GradProbe, grouped_parameters
 from .heldout import EvalSet, evaluate_per_step, gate_summary
-from .losses import branch_valid, regime_loss, sample_branches
+from .losses import branch_valid, regime_loss, sample_anchors, sample_branches, step_mask
 from .state import STATE_DIR, load_train_state, read_train_state, save_train_state
 
 LOG_TABLES = ("history", "eval", "grad_probes", "kv_positions", "attention_mass", "kv_position_samples")
@@ -221,6 +221,8 @@ def _new_drafter(target, train_store, eval_store, cfg: TrainConfig, d2t: torch.T
         kv_recency=cfg.kv_recency,
         target_kv=cfg.target_kv,
         kv_softmax=cfg.kv_softmax,
+        context=cfg.context,
+        block_size=cfg.ttt_steps if cfg.paradigm == "block" else 0,
     )
     for store, what in ((train_store, "training"), (eval_store, "held-out")):
         try:
@@ -249,6 +251,10 @@ def _train_step(
     last = step == cfg.train_steps - 1
     probing = cfg.probe_every > 0 and (step % cfg.probe_every == 0 or last)
     branches = sample_branches(batch.ids.shape[1] - 1, cfg.branch_fraction, seed=cfg.seed * 1_000_003 + step)
+    if cfg.regime == "parallel":  # the block drafter: random anchors per sequence (training/losses.py)
+        branches = sample_anchors(
+            step_mask(batch, 0), cfg.branch_fraction, cfg.seed * 1_000_003 + step, cfg.ttt_steps + 1
+        )
     branches = None if branches is None else branches.to(acc.device)
     probe = None
     if probing:

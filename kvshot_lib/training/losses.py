@@ -11,18 +11,23 @@ predicted token is an assistant token inside the sequence.
   target feature of the next position (what step 1 would read in its place).
 * **TTT** (``ttt``): ``K`` steps (7) on the drafter's own outputs with EAGLE-3's masks; step ``i`` weighs
   ``step_decay**i`` (0.8).
-* **Block-wise** (``block``): every branch drafts a block of ``K`` tokens with the same attention pattern as
-  TTT, and *every position of the block has its own direct target*, with weight 1 at every step:
-  - the token: soft cross-entropy at every block position (no 0.8^i decay);
-  - the drafter's own **K/V at every block position**, for every layer (``kv_align_weight``): KV-only
+* **TTT with dense per-position losses** (``ttt_dense``): TTT's sequential unroll of ``K`` steps, with the same
+  attention pattern, and *every unrolled position has its own direct target*, with weight 1 at every step:
+  - the token: soft cross-entropy at every unrolled position (no 0.8^i decay);
+  - the drafter's own **K/V at every unrolled position**, for every layer (``kv_align_weight``): KV-only
     drafters regress their own K/V of a drafted position onto the target's KV at that same position (as
     their injector presents it; a linear injector's output is detached), because the two sit in the same
     softmax; hidden and hybrid drafters regress the K/V of drafted position ``i+1+k`` onto the (detached)
     K/V their step 0 computed at that position from the target's real features. The K/V projections thus
-    get a dense gradient at every block position, not only what trickles back through attention;
-  - the output hidden state of every block position (hidden, hybrid; ``feature_loss_weight``) onto the
-    fused target feature of the next position, i.e. what the next block position should be reading.
+    get a dense gradient at every unrolled position, not only what trickles back through attention;
+  - the output hidden state of every unrolled position (hidden, hybrid; ``feature_loss_weight``) onto the
+    fused target feature of the next position, i.e. what the next unrolled position should be reading.
   All regressions are relative MSEs (squared error over the target's mean square), so they are scale-free.
+* **Parallel** (``parallel``, the block drafter of ``drafters/block.py``): one forward drafts a whole block of
+  ``K`` mask positions after each *anchor*; branch ``i``'s step ``k`` is the block's position ``i+2+k``, so
+  the same soft cross-entropy applies, at every block position, weighted ``step_decay**k`` (0.8; DFlash's
+  ``exp(-(k-1)/gamma)`` with gamma = 4.5). The anchors are random per sequence and step
+  (:func:`sample_anchors`), among the positions whose next token is an assistant token, as in DFlash.
 """
 
 from __future__ import annotations
@@ -66,6 +71,21 @@ def sample_branches(n: int, fraction: float, seed: int) -> Tensor | None:
     return torch.randperm(n, generator=g)[:m].sort().values
 
 
+def sample_anchors(valid: Tensor, fraction: float, seed: int, rows_per_anchor: int = 1) -> Tensor:
+    """``[B, M]`` sorted random anchors per sequence, ``M = ceil(fraction * N)``, drawn among ``valid [B, N]``
+    first (a sequence with fewer valid positions fills up with others, which the loss masks out).
+
+    ``M * rows_per_anchor`` is kept off ``N`` and ``N + 1``: the gradient probes tell a drafter's rows apart
+    by their length, and ``N + 1`` is the context's."""
+    B, N = valid.shape
+    m = min(N, max(1, math.ceil(fraction * N)))
+    if m > 1 and m * rows_per_anchor in (N, N + 1):
+        m -= 1
+    g = torch.Generator().manual_seed(int(seed))
+    score = torch.rand(B, N, generator=g).to(valid.device) + (~valid).float()  # valid first, in random order
+    return score.topk(m, dim=1, largest=False).indices.sort(dim=1).values  # [B, M]
+
+
 def relative_mse(x: Tensor, target: Tensor, valid: Tensor) -> Tensor:
     """``sum ||x - t||^2 / sum ||t||^2`` over valid rows; ``x, target [B, N, ...]``, ``valid [B, N]``."""
     w = valid.to(x.dtype).view(*valid.shape, *([1] * (x.dim() - 2)))
@@ -74,18 +94,23 @@ def relative_mse(x: Tensor, target: Tensor, valid: Tensor) -> Tensor:
 
 
 def at_rows(x: Tensor, rows: Tensor | None) -> Tensor:
-    """The unrolled branches ``rows`` of ``x [B, N, ...]`` (all of them when ``rows`` is None)."""
-    return x if rows is None else x[:, rows]
+    """The unrolled branches ``rows`` of ``x [B, N, ...]`` (all of them when ``rows`` is None): ``[M]`` shared
+    by every sequence, or ``[B, M]`` per sequence (the parallel regime's anchors)."""
+    if rows is None:
+        return x
+    if rows.dim() == 1:
+        return x[:, rows]
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], rows]  # [B, M, ...]
 
 
 def _kv_align(drafter, un: Unrolled, batch: TrainBatch) -> Tensor:
-    """Relative MSE of the drafter's own K/V at every block position against that position's reference."""
+    """Relative MSE of the drafter's own K/V at every unrolled position against that position's reference."""
     terms = []
     N = batch.ids.shape[1] - 1
     for li, steps in un.ctx.own.items():
         for s, rows in enumerate(un.rows):
             k, v = (x.transpose(1, 2) for x in steps[s])  # [B, n, kvH, D]
-            if drafter.paradigm == "kv":  # the target's KV at the block position i+1+s
+            if drafter.paradigm == "kv":  # the target's KV at the unrolled position i+1+s
                 tk, tv = (
                     shifted(x.detach().transpose(1, 2), 1 + s, N) for x in un.injected[li]
                 )  # [B, N, kvH, D]
@@ -135,7 +160,7 @@ def regime_loss(
         p_k = at_rows(shifted(probs, 1 + k, N), rows)[mask]  # [M, V_draft]
         n = int(mask.sum())
         ce = -(p_k * torch.log_softmax(logits.float(), dim=-1)).sum() / max(n, 1)
-        weight = 1.0 if regime == "block" else step_decay**k
+        weight = 1.0 if regime == "ttt_dense" else step_decay**k
         total = total + weight * ce
         with torch.no_grad():
             agree = int((logits.argmax(-1) == p_k.argmax(-1)).sum())
