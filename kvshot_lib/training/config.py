@@ -32,7 +32,7 @@ class TrainConfig:
     # KV-only design (issue 12): the target's KV gets a softmax of its own and an ALiBi-initialized recency
     # bias over the last 32 positions; with one shared softmax and no bias (the first design, still what a
     # checkpoint without these fields loads as) the drafter learned nothing from what the KV holds
-    kv_recency: int = 32  # window of the learned recency bias on the target-KV scores (0 = off)
+    kv_recency: int | None = None  # recency-bias window on target-KV scores; None = 32 (kv), 0 (others)
     target_kv: str = "real"  # "zeroed": the control, trained (and decoding) with every target K/V set to 0
     kv_softmax: str = "separate"  # "shared": target and own K/V in one softmax
     context: str = (
@@ -83,6 +83,8 @@ class TrainConfig:
                 f"block-{self.context}" if self.paradigm == "block" else f"{self.paradigm}-{self.regime}"
             )
         self.adam_betas = tuple(self.adam_betas)
+        if self.kv_recency is None:
+            self.kv_recency = 32 if self.paradigm == "kv" else 0
         if self.step_decay is None:
             self.step_decay = 0.8 if self.regime != "ttt_dense" else 1.0
         if self.feature_loss_weight is None:
