@@ -23,11 +23,15 @@ CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 
 def drafter_class(paradigm: str):
+    from .cross import CrossDrafter
     from .hidden import HiddenDrafter
     from .hybrid import HybridDrafter
     from .kv import KVDrafter
+    from .no_target import NoTargetDrafter
 
-    return {"hidden": HiddenDrafter, "kv": KVDrafter, "hybrid": HybridDrafter}[paradigm]
+    classes = {"hidden": HiddenDrafter, "kv": KVDrafter, "hybrid": HybridDrafter}
+    classes.update(none=NoTargetDrafter, cross=CrossDrafter)
+    return classes[paradigm]
 
 
 def build_drafter(cfg: DrafterConfig, target, d2t: torch.Tensor, seed: int | None = None):
