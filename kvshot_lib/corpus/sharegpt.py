@@ -131,6 +131,11 @@ class TokenizedSplit:
     def n_tokens(self) -> int:
         return int(sum(len(x) for x in self.ids))
 
+    def sequences(self, fields=("input_ids", "loss_mask")):
+        """Each conversation as ``{"input_ids", "loss_mask"}`` (what a feature store yields for these fields)."""
+        for ids, mask in zip(self.ids, self.loss_mask):
+            yield {"input_ids": ids, "loss_mask": mask}
+
 
 def tokenize_sharegpt(
     tokenizer,
