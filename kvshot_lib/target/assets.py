@@ -45,7 +45,13 @@ def cache_dir() -> Path:
 
 
 def asset_path(dist: str, relpath: str) -> Path:
-    """Locate ``relpath`` inside the installed distribution ``dist`` without importing it."""
+    """Locate ``relpath`` inside the installed distribution ``dist`` without importing it.
+
+    ``$KVSHOT_ASSETS_DIR``, if set, is looked at first: a folder laid out like the installed packages
+    (``<dir>/<relpath>``), e.g. the assets the reference run carries to a machine without the packages."""
+    override = os.environ.get("KVSHOT_ASSETS_DIR")
+    if override and (Path(override) / relpath).is_file():
+        return Path(override) / relpath
     try:
         path = Path(md.distribution(dist).locate_file(relpath))
     except md.PackageNotFoundError:

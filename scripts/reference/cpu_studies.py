@@ -172,6 +172,79 @@ def study_control(args, params, shared) -> None:
     save("no_target_control", rows, meta, args.out)
 
 
+REGEN = dict(max_new_tokens=256, max_turns=1)
+
+
+def regenerated_data(args, params, tgt):
+    """The default run's training and held-out slices with the target's own (greedy) responses, cached."""
+    n_train, n_eval, max_len, seed = (
+        params[k] for k in ("n_train_conversations", "n_eval_conversations", "max_len", "seed")
+    )
+    kw = dict(max_len=max_len, seed=seed, batch_size=args.regen_batch, **REGEN)
+    train = corpus.regenerate_sharegpt(tgt, "train", n_train, **kw)
+    held = corpus.regenerate_sharegpt(tgt, "eval", n_eval, **kw)
+    return train, held
+
+
+def study_regeneration(args, params, shared) -> None:
+    """Hidden-only TTT on the original responses vs the target's regenerated ones, at equal training tokens."""
+    from kvshot_lib.training import EvalSet, evaluate_per_step
+
+    tgt, train_split, eval_split, train_store, eval_store = load_default_data(params)
+    regen_train, regen_eval = regenerated_data(args, params, tgt)
+    if args.data_only:
+        print(regen_train.counts, regen_eval.counts)
+        return
+    regen_train_store, regen_eval_store = (
+        corpus.extract_features(tgt, regen_train),
+        corpus.extract_features(tgt, regen_eval),
+    )
+    d2t = build_draft_vocab(
+        train_store, tgt, shared["draft_vocab_size"]
+    )  # one draft vocabulary for both arms
+    arms = {}
+    spec = dict(paradigm="hidden", regime="ttt")
+    base = args.runs / "vocab" / f"hidden-ttt-v{shared['draft_vocab_size']}"  # the vocabulary study's 4k row
+    cfg = parse_drafter_specs([dict(spec, name=base.name)], shared)[0]
+    arms["original"] = train_drafter(tgt, train_store, eval_store, cfg, base, d2t=d2t)
+    tokens = sum(h["tokens"] for h in arms["original"].logs["history"])
+    mean_len = sum(min(len(x), shared["max_tokens"] or len(x)) for x in regen_train.ids) / len(regen_train)
+    steps = round(tokens / (shared["batch_size"] * mean_len))  # equal training tokens
+    regen_shared = dict(shared, train_steps=steps, eval_every=max(1, steps // 4))
+    cfg = parse_drafter_specs([dict(spec, name="hidden-ttt-regenerated")], regen_shared)[0]
+    arms["regenerated"] = train_drafter(
+        tgt, regen_train_store, eval_store, cfg, args.runs / "regeneration" / cfg.name, d2t=d2t
+    )
+    n_eval = shared["eval_sequences"]
+    rows = []
+    for heldout, store in (("original held-out", eval_store), ("regenerated held-out", regen_eval_store)):
+        for data, result in arms.items():
+            d = result.drafter.eval()
+            evs = EvalSet.build(store, d.cfg, tgt, n_eval, shared["batch_size"], shared["max_tokens"])
+            ev = evaluate_per_step(d, evs, result.config.eval_steps, None, shared["eval_branch_fraction"])
+            tokens = sum(h["tokens"] for h in result.logs["history"])
+            row = dict(
+                trained_on=data,
+                evaluated_on=heldout,
+                train_steps=result.config.train_steps,
+                train_tokens=tokens,
+            )
+            row.update({k: round(v, 4) for k, v in ev.items() if k.startswith("acc_") or k == "ceiling"})
+            row.update(n_0=ev["n_0"], seconds=round(result.train_seconds, 1))
+            rows.append(row)
+    meta = dict(
+        study="regenerated responses",
+        target=tgt.info.name,
+        regeneration=dict(REGEN, train=regen_train.counts, heldout=regen_eval.counts),
+        train=f"original: {len(train_store)} conversations ({train_store.n_tokens} tokens); regenerated: "
+        f"{len(regen_train_store)} conversations ({regen_train_store.n_tokens} tokens)",
+        settings=shared,
+        note="equal training tokens: the regenerated arm's steps are set so that steps x batch x mean cropped length "
+        "matches the original arm's tokens.",
+    )
+    save("regeneration_study", rows, meta, args.out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("study", choices=("vocab", "control", "regeneration"))
@@ -180,6 +253,12 @@ def main() -> None:
     )
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--regimes", nargs="+", default=["ttt"], help="control: the regimes to train")
+    ap.add_argument(
+        "--regen-batch", type=int, default=16, help="regeneration: conversations decoded together"
+    )
+    ap.add_argument(
+        "--data-only", action="store_true", help="regeneration: only regenerate (and cache) the data"
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "studies")
@@ -188,7 +267,9 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     params = default_settings()
     shared = shared_training(params, args.steps)
-    {"vocab": study_vocab, "control": study_control}[args.study](args, params, shared)
+    {"vocab": study_vocab, "control": study_control, "regeneration": study_regeneration}[args.study](
+        args, params, shared
+    )
 
 
 if __name__ == "__main__":
