@@ -3,6 +3,7 @@
 * :mod:`.metrics` defines α_k (conditional), the reach probability, MAT and retention once;
 * :mod:`.acceptance` decodes MT-bench with every drafter (an exact greedy replay at temperature 0, the
   engine otherwise) and tabulates acceptance by step;
+* :mod:`.bootstrap` gives 95% intervals of those by resampling generations;
 * :mod:`.speedup` times plain, speculative and Hugging Face decoding in one run on one machine.
 
 It hands result tables (one row per drafter, mode, step or method) to the plots.
@@ -20,6 +21,7 @@ from .acceptance import (
     run_engine,
     run_greedy_replay,
 )
+from .bootstrap import bootstrap_acceptance
 from .speedup import (
     METHODS,
     machine_info,
@@ -34,6 +36,7 @@ __all__ = [
     "AcceptanceRun",
     "Reference",
     "acceptance_summary",
+    "bootstrap_acceptance",
     "acceptance_table",
     "greedy_references",
     "machine_info",
