@@ -65,6 +65,11 @@ class Clock:
     def left(self) -> float:
         return self.deadline - time.perf_counter()
 
+    def enough(self, seconds: float) -> bool:
+        """Whether ``seconds`` are left (scaled down for short jobs: at most a tenth of the job per check)."""
+        total = self.deadline - self.t0
+        return self.left() > min(seconds, 0.1 * total)
+
 
 # --------------------------------------------------------------------------------------------------- data
 
@@ -118,17 +123,25 @@ def load_reference_target(plan: Plan, device: str):
 # -------------------------------------------------------------------------------------------------- train
 
 
+def checkpoint_path(plan: Plan, name: str) -> Path:
+    """A trained row's checkpoint: this machine's run of it, else the committed headline checkpoint."""
+    for path in (runs_dir() / name, REPO_ROOT / "checkpoints" / plan.profile / name):
+        if (path / "config.json").is_file():
+            return path
+    raise PlanError(
+        f"no checkpoint of row {name!r}: neither in {runs_dir()} (a job on this machine) nor committed in "
+        f"checkpoints/{plan.profile}/{name}. Train it first (or evaluate other rows with --rows)."
+    )
+
+
 def init_path(plan: Plan, row) -> str | None:
     """The checkpoint a row starts from: the same warm machine's run, else the committed headline checkpoint."""
     if row.init_row is None:
         return None
-    for path in (runs_dir() / row.init_row, REPO_ROOT / "checkpoints" / plan.profile / row.init_row):
-        if (path / "config.json").is_file():
-            return str(path)
-    raise PlanError(
-        f"row {row.name!r} starts from row {row.init_row!r}, whose checkpoint is neither in {runs_dir()} (a job on "
-        f"this machine) nor committed in checkpoints/{plan.profile}/{row.init_row}: train {row.init_row!r} first."
-    )
+    try:
+        return str(checkpoint_path(plan, row.init_row))
+    except PlanError as e:
+        raise PlanError(f"row {row.name!r} starts from row {row.init_row!r}: {e}") from None
 
 
 def calibrate(target, train, held_set, cfg, d2t) -> tuple[float, float]:
@@ -186,7 +199,7 @@ def train_job(
             d2t = build_draft_vocab(original, target, row.train_config().draft_vocab_size)
         share = clock.left() / (len(rows) - i)
         init = inits.get(row.name) or (str(runs_dir() / row.init_row) if row.init_row else None)
-        if share < 20:
+        if share < min(20.0, 0.1 * (clock.deadline - clock.t0)):
             summaries.append(dict(drafter=row.name, skipped=f"no time left ({clock.left():.0f} s)"))
             continue
         t_row = time.perf_counter()
@@ -240,7 +253,8 @@ def regenerate_job(plan: Plan, job: Job, out: Path, device: str, clock: Clock, p
     done = {}
     for split, n in (("eval", d["n_eval_conversations"]), ("train", d["n_train_conversations"])):
         t = time.perf_counter()
-        regen = regenerate_sharegpt(target, split, n, max_seconds=max(1.0, clock.left() - 60.0), **kw)
+        stop_at = clock.left() - min(60.0, 0.1 * (clock.deadline - clock.t0))  # one shard may run past it
+        regen = regenerate_sharegpt(target, split, n, max_seconds=max(1.0, stop_at), **kw)
         folder = assets.cache_dir() / "regenerated" / regen.spec["regenerated_dir"]
         done[split] = dict(
             conversations=len(regen),
@@ -249,7 +263,7 @@ def regenerate_job(plan: Plan, job: Job, out: Path, device: str, clock: Clock, p
         )
         outputs.add_regenerated(out, folder)
         outputs.write_json(out, "regenerated.json", done)
-        if clock.left() < 90:
+        if not clock.enough(90):
             break
     return done
 
@@ -266,16 +280,7 @@ def eval_job(plan: Plan, job: Job, out: Path, device: str, clock: Clock, progres
     outputs.write_json(
         out, "environment.json", dict(environment(device), job=job.name, kind=job.kind, rows=job.rows)
     )
-    drafters = {}
-    for name in job.rows:
-        for path in (runs_dir() / name, REPO_ROOT / "checkpoints" / plan.profile / name):
-            if (path / "config.json").is_file():
-                drafters[name] = load_drafter(path, target)
-                break
-        else:
-            raise PlanError(
-                f"eval job: no checkpoint for row {name!r} (train it, or merge and commit its job first)."
-            )
+    drafters = {name: load_drafter(checkpoint_path(plan, name), target) for name in job.rows}
     drafters["ngram"] = NgramDrafter(target.info.vocab_size)
     e, tree = plan.eval, plan.eval["tree"]
     base = DecodeConfig(
@@ -291,7 +296,7 @@ def eval_job(plan: Plan, job: Job, out: Path, device: str, clock: Clock, progres
     runs, done = [], []
     for mode in ("chain", "tree"):
         for name, d in drafters.items():
-            if clock.left() < 30:
+            if not clock.enough(30):
                 break
             runs += acceptance.run_greedy_replay(
                 target, {name: d}, refs, {mode: cfgs[mode]}, progress=progress
@@ -302,7 +307,7 @@ def eval_job(plan: Plan, job: Job, out: Path, device: str, clock: Clock, progres
         name,
         d,
     ) in drafters.items():  # temperature 1: the engine, one generation at a time, while time is left
-        if clock.left() < 120:
+        if not clock.enough(120):
             break
         sampled = {"chain": dataclasses.replace(cfgs["chain"], temperature=1.0)}
         runs += acceptance.run_engine(target, {name: d}, e["n_questions_sampled"], sampled, progress=progress)

@@ -145,14 +145,15 @@ def cmd_job(args) -> None:
         print(json.dumps(payload.activate(local=args.local)))
     except payload.StageError as e:
         fail(str(e))
-    if job.kind == "train":
+    try:  # the checkpoints a job starts from or measures must exist before it loads anything
         for r in job.rows:
             row = plan.row(r)
-            if row.init_row and row.init_row not in job.rows:
-                try:
-                    jobs.init_path(plan, row)
-                except PlanError as e:
-                    fail(str(e))
+            if job.kind == "eval":
+                jobs.checkpoint_path(plan, r)
+            elif row.init_row and row.init_row not in job.rows:
+                jobs.init_path(plan, row)
+    except PlanError as e:
+        fail(str(e))
     result = jobs.run(plan, job, Path(out), device, T0, minutes, progress=not args.quiet)
     print(json.dumps(result, indent=1, default=str)[-4000:])
     print(f"job {job.name} done in {time.perf_counter() - T0:.0f} s; output in {Path(out) / job.name}")
