@@ -14,7 +14,7 @@ It hands token ids to decoding and evaluation, and feature stores to training.
 from .chat import answer_text, chat_prompt_ids, encode_conversation, render_masked, tokenizer_fingerprint
 from .features import FeatureStore, FeatureStoreMismatch, default_store_dir, extract_features
 from .mtbench import MTBenchQuestion, load_mtbench, mtbench_messages
-from .regenerate import batched_greedy, regenerate_sharegpt, regenerated_split
+from .regenerate import batched_greedy, cached_regeneration, regenerate_sharegpt, regenerated_split
 from .sharegpt import (
     TokenizedSplit,
     conversation_table,
@@ -43,6 +43,7 @@ __all__ = [
     "normalize_conversation",
     "read_sharegpt_records",
     "batched_greedy",
+    "cached_regeneration",
     "regenerate_sharegpt",
     "regenerated_split",
     "render_masked",

@@ -144,14 +144,7 @@ def regenerate_sharegpt(
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{k} must be a positive integer, got {v!r}.")
     original = tokenize_sharegpt(target.tokenizer, split, n_conversations, max_len, seed, offset, eval_size)
-    spec = dict(
-        original.spec,
-        responses="regenerated",
-        target=target.info.name,
-        target_fingerprint=target.info.fingerprint,
-        max_new_tokens=max_new_tokens,
-        max_turns=max_turns,
-    )
+    spec = regeneration_spec(target, original, max_new_tokens, max_turns)
     out = regeneration_dir(target, spec)
     manifest = _read_manifest(out, spec)
     done = {rec["id"] for shard in manifest["shards"] for rec in _read_shard(out / shard["file"])}
@@ -188,6 +181,30 @@ def regenerate_sharegpt(
     return regenerated_split(target.tokenizer, out, original, spec)
 
 
+def regeneration_spec(target, original: TokenizedSplit, max_new_tokens: int, max_turns: int) -> dict:
+    """What identifies a regeneration of the slice ``original`` (it names the cache folder)."""
+    return dict(
+        original.spec,
+        responses="regenerated",
+        target=target.info.name,
+        target_fingerprint=target.info.fingerprint,
+        max_new_tokens=max_new_tokens,
+        max_turns=max_turns,
+    )
+
+
+def cached_regeneration(
+    target, original: TokenizedSplit, max_new_tokens: int, max_turns: int
+) -> TokenizedSplit | None:
+    """What is already regenerated of ``original`` (a prefix, possibly all of it), without generating; None if nothing."""
+    spec = regeneration_spec(target, original, max_new_tokens, max_turns)
+    folder = regeneration_dir(target, spec)
+    if not (folder / "manifest.json").is_file():
+        return None
+    split = regenerated_split(target.tokenizer, folder, original, spec)
+    return split if len(split) else None
+
+
 def regenerated_split(tokenizer, folder: Path, original: TokenizedSplit, spec: dict) -> TokenizedSplit:
     """The cached regenerated conversations of ``folder`` in ``original``'s order, through the chat template."""
     manifest = json.loads((Path(folder) / "manifest.json").read_text())
@@ -212,7 +229,13 @@ def regenerated_split(tokenizer, folder: Path, original: TokenizedSplit, spec: d
         sources.append(cid)
     counts["generated_tokens"] = manifest["generated_tokens"]
     counts["generation_seconds"] = round(manifest["seconds"], 1)
-    spec = dict(spec, tokenizer=tokenizer_fingerprint(tokenizer), regenerated_dir=Path(folder).name)
+    # the number of conversations distinguishes a partial regeneration from a later, longer one (feature stores)
+    spec = dict(
+        spec,
+        tokenizer=tokenizer_fingerprint(tokenizer),
+        regenerated_dir=Path(folder).name,
+        conversations=len(ids),
+    )
     return TokenizedSplit(ids, masks, sources, spec, counts)
 
 

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..corpus import regenerate_sharegpt, tokenize_sharegpt
-from ..corpus.regenerate import regenerated_split, regeneration_dir
+from ..corpus import cached_regeneration, regenerate_sharegpt, tokenize_sharegpt
 from ..target import assets, load_target
 from ..target.assets import REPO_ROOT
 from . import outputs
@@ -85,31 +84,12 @@ def data_splits(plan: Plan, target, responses: str):
     )
     if responses == "original":
         return train, held, "original"
-    out = []
-    for split in (train, held):
-        folder = regeneration_dir(target, regeneration_spec(plan, target, split))
-        if (folder / "manifest.json").is_file():
-            regen = regenerated_split(target.tokenizer, folder, split, regeneration_spec(plan, target, split))
-            if len(regen) >= 2:
-                out.append(regen)
-                continue
-        out.append(None)
+    r = plan.data["regenerate"]
+    out = [cached_regeneration(target, split, r["max_new_tokens"], r["max_turns"]) for split in (train, held)]
     if out[0] is None:  # nothing regenerated yet: say so in every table
         return train, held, "original (no regenerated responses yet)"
     what = f"regenerated ({len(out[0])} of {len(train)} training conversations)"
     return out[0], out[1] if out[1] is not None else held, what
-
-
-def regeneration_spec(plan: Plan, target, split) -> dict:
-    r = plan.data["regenerate"]
-    return dict(
-        split.spec,
-        responses="regenerated",
-        target=target.info.name,
-        target_fingerprint=target.info.fingerprint,
-        max_new_tokens=r["max_new_tokens"],
-        max_turns=r["max_turns"],
-    )
 
 
 def load_reference_target(plan: Plan, device: str):

@@ -227,8 +227,12 @@ def reference_table(tables: dict) -> pd.DataFrame:
         return pd.DataFrame()
     out = []
     boot = tables["acceptance_bootstrap.csv"]
+    per_step = tables["per_step_accuracy.csv"]
     for _, r in rows.iterrows():
-        acc = {k: r[k] for k in r.index if k.startswith("acc_") and k[4:].isdigit()}
+        mine = per_step[per_step["drafter"] == r["drafter"]] if not per_step.empty else per_step
+        acc = {
+            f"acc_{int(k)}": float(a) for k, a in zip(mine.get("draft_step", []), mine.get("accuracy", []))
+        }
         rec = dict(
             drafter=r["drafter"], paradigm=r["paradigm"], regime=r["regime"], n_layers=r.get("n_layers"),
             kv_mode=r.get("kv_mode"), seed=r.get("seed"), responses=r.get("responses", ""),

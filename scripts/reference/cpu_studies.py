@@ -175,46 +175,71 @@ def study_control(args, params, shared) -> None:
 REGEN = dict(max_new_tokens=256, max_turns=1)
 
 
+def head(split, n: int):
+    """The first ``n`` conversations of a tokenized split (a new spec, so caches tell it apart)."""
+    from kvshot_lib.corpus import TokenizedSplit
+
+    k = min(n, len(split))
+    return TokenizedSplit(
+        split.ids[:k], split.loss_mask[:k], split.source_ids[:k], dict(split.spec, head=k), split.counts
+    )
+
+
 def regenerated_data(args, params, tgt):
-    """The default run's training and held-out slices with the target's own (greedy) responses, cached."""
+    """The default slices with the target's own greedy responses: ``--regen-conversations`` training conversations
+    (a prefix of the 300; what is cached is used, and generated further only if missing) and the first
+    ``eval_sequences`` held-out ones."""
     n_train, n_eval, max_len, seed = (
         params[k] for k in ("n_train_conversations", "n_eval_conversations", "max_len", "seed")
     )
     kw = dict(max_len=max_len, seed=seed, batch_size=args.regen_batch, **REGEN)
-    train = corpus.regenerate_sharegpt(tgt, "train", n_train, **kw)
-    held = corpus.regenerate_sharegpt(tgt, "eval", n_eval, **kw)
-    return train, held
+    n_held = params["eval_sequences"]
+    held = corpus.regenerate_sharegpt(tgt, "eval", n_eval, shard_size=n_held, max_seconds=0.0, **kw)
+    train = corpus.tokenize_sharegpt(tgt.tokenizer, "train", n_train, max_len, seed=seed)
+    regen = corpus.cached_regeneration(tgt, train, REGEN["max_new_tokens"], REGEN["max_turns"])
+    while regen is None or len(regen) + regen.counts.get("template_mismatch", 0) < args.regen_conversations:
+        regen = corpus.regenerate_sharegpt(tgt, "train", n_train, shard_size=64, max_seconds=0.0, **kw)
+    return head(regen, args.regen_conversations), head(held, n_held)
 
 
 def study_regeneration(args, params, shared) -> None:
-    """Hidden-only TTT on the original responses vs the target's regenerated ones, at equal training tokens."""
+    """Hidden-only TTT on the same conversations with their original vs the target's regenerated responses,
+    at equal training tokens; both evaluated on the original and on the regenerated held-out slice."""
     from kvshot_lib.training import EvalSet, evaluate_per_step
 
     tgt, train_split, eval_split, train_store, eval_store = load_default_data(params)
     regen_train, regen_eval = regenerated_data(args, params, tgt)
     if args.data_only:
-        print(regen_train.counts, regen_eval.counts)
+        print(len(regen_train), regen_train.counts, len(regen_eval), regen_eval.counts)
         return
-    regen_train_store, regen_eval_store = (
-        corpus.extract_features(tgt, regen_train),
-        corpus.extract_features(tgt, regen_eval),
-    )
+    n = args.regen_conversations
+    orig_train = corpus.tokenize_sharegpt(tgt.tokenizer, "train", n, params["max_len"], seed=params["seed"])
+    assert set(regen_train.source_ids) <= set(orig_train.source_ids), "the two arms must share their conversations"
+    stores = {
+        "original": corpus.extract_features(tgt, orig_train),
+        "regenerated": corpus.extract_features(tgt, regen_train),
+    }
+    regen_eval_store = corpus.extract_features(tgt, regen_eval)
     d2t = build_draft_vocab(
         train_store, tgt, shared["draft_vocab_size"]
-    )  # one draft vocabulary for both arms
+    )  # the default run's vocabulary, both arms
+    steps = args.steps or 200
+    mean_len = {
+        k: sum(min(len(x), shared["max_tokens"]) for x in s.ids) / len(s.ids)
+        for k, s in (("original", orig_train), ("regenerated", regen_train))
+    }
     arms = {}
-    spec = dict(paradigm="hidden", regime="ttt")
-    base = args.runs / "vocab" / f"hidden-ttt-v{shared['draft_vocab_size']}"  # the vocabulary study's 4k row
-    cfg = parse_drafter_specs([dict(spec, name=base.name)], shared)[0]
-    arms["original"] = train_drafter(tgt, train_store, eval_store, cfg, base, d2t=d2t)
-    tokens = sum(h["tokens"] for h in arms["original"].logs["history"])
-    mean_len = sum(min(len(x), shared["max_tokens"] or len(x)) for x in regen_train.ids) / len(regen_train)
-    steps = round(tokens / (shared["batch_size"] * mean_len))  # equal training tokens
-    regen_shared = dict(shared, train_steps=steps, eval_every=max(1, steps // 4))
-    cfg = parse_drafter_specs([dict(spec, name="hidden-ttt-regenerated")], regen_shared)[0]
-    arms["regenerated"] = train_drafter(
-        tgt, regen_train_store, eval_store, cfg, args.runs / "regeneration" / cfg.name, d2t=d2t
-    )
+    for data, store in stores.items():
+        arm_steps = (
+            steps if data == "original" else round(steps * mean_len["original"] / mean_len["regenerated"])
+        )
+        arm = dict(shared, train_steps=arm_steps, eval_every=max(1, arm_steps // 4))
+        cfg = parse_drafter_specs(
+            [dict(paradigm="hidden", regime="ttt", name=f"hidden-ttt-{data}-{n}")], arm
+        )[0]
+        arms[data] = train_drafter(
+            tgt, store, eval_store, cfg, args.runs / "regeneration" / cfg.name, d2t=d2t
+        )
     n_eval = shared["eval_sequences"]
     rows = []
     for heldout, store in (("original held-out", eval_store), ("regenerated held-out", regen_eval_store)):
@@ -236,11 +261,12 @@ def study_regeneration(args, params, shared) -> None:
         study="regenerated responses",
         target=tgt.info.name,
         regeneration=dict(REGEN, train=regen_train.counts, heldout=regen_eval.counts),
-        train=f"original: {len(train_store)} conversations ({train_store.n_tokens} tokens); regenerated: "
-        f"{len(regen_train_store)} conversations ({regen_train_store.n_tokens} tokens)",
-        settings=shared,
-        note="equal training tokens: the regenerated arm's steps are set so that steps x batch x mean cropped length "
-        "matches the original arm's tokens.",
+        train=f"the same {n} ShareGPT training conversations: original responses ({stores['original'].n_tokens} tokens) "
+        f"or the target's greedy responses to their first user turn ({stores['regenerated'].n_tokens} tokens)",
+        heldout=f"the first {n_eval} held-out conversations, original and regenerated",
+        settings=dict(shared, train_steps=steps),
+        note="equal training tokens: the regenerated arm's steps are scaled by the ratio of mean cropped lengths; "
+        "the draft vocabulary is the default run's (4096 most frequent tokens of the 300 original conversations).",
     )
     save("regeneration_study", rows, meta, args.out)
 
