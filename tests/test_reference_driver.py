@@ -17,7 +17,8 @@ import torch
 
 from kvshot_lib.drafters import DrafterTargetMismatch, build_drafter, drafter_config_for, load_drafter
 from kvshot_lib.evaluation import AcceptanceRun, acceptance_summary, bootstrap_acceptance
-from kvshot_lib.reference import PlanError, load_plan, merge, outputs
+from kvshot_lib.reference import merge, outputs
+from kvshot_lib.reference.plan import PlanError, load_plan
 from kvshot_lib.target import REPO_ROOT, load_target
 
 RUN_JOB = REPO_ROOT / "scripts" / "reference" / "run_job.py"

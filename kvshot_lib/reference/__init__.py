@@ -6,8 +6,7 @@ runs one job per device command (train rows online, regenerate responses, evalua
 minutes; :mod:`.outputs` keeps what a job brings back within the device's limits; :mod:`.merge` turns job
 outputs into the run's tables, figures, committed checkpoints and regenerated data. The command line is
 ``scripts/reference/run_job.py``; README's "Reference run (GPU)" section lists the calls.
+
+Import the submodules (``from kvshot_lib.reference import plan``): this file imports nothing, so that the
+stage command on the device does not pay for torch and transformers.
 """
-
-from .plan import Job, Plan, PlanError, Row, load_plan
-
-__all__ = ["Job", "Plan", "PlanError", "Row", "load_plan"]

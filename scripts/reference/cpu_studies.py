@@ -214,7 +214,9 @@ def study_regeneration(args, params, shared) -> None:
         return
     n = args.regen_conversations
     orig_train = corpus.tokenize_sharegpt(tgt.tokenizer, "train", n, params["max_len"], seed=params["seed"])
-    assert set(regen_train.source_ids) <= set(orig_train.source_ids), "the two arms must share their conversations"
+    assert set(regen_train.source_ids) <= set(orig_train.source_ids), (
+        "the two arms must share their conversations"
+    )
     stores = {
         "original": corpus.extract_features(tgt, orig_train),
         "regenerated": corpus.extract_features(tgt, regen_train),

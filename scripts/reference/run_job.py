@@ -5,6 +5,7 @@
     python3 scripts/reference/run_job.py stage PART           # device: keep one part; the last one installs
     python3 scripts/reference/run_job.py job NAME             # device: run job NAME of the plan into $OUT/NAME/
     python scripts/reference/run_job.py merge DIR [DIR ...]   # here: job outputs -> runs/, figures/, checkpoints/
+    python scripts/reference/run_job.py checkpoints           # here: committed checkpoints -> runs/<profile>/drafters/
     python scripts/reference/run_job.py dry-run               # here: the whole path on the CPU, tiny-llama
 
 Every command checks its arguments before long work: an unknown job or row, a time budget over the device's
@@ -42,7 +43,7 @@ def fail(msg: str) -> None:
 
 
 def load(args):
-    from kvshot_lib.reference import PlanError, load_plan
+    from kvshot_lib.reference.plan import PlanError, load_plan
 
     try:
         return load_plan(args.profile, smoke=args.smoke)
@@ -116,7 +117,8 @@ def cmd_stage(args) -> None:
 
 
 def cmd_job(args) -> None:
-    from kvshot_lib.reference import PlanError, jobs, payload
+    from kvshot_lib.reference import jobs, payload
+    from kvshot_lib.reference.plan import PlanError
 
     plan = load(args)
     try:
@@ -175,10 +177,30 @@ def cmd_merge(args) -> None:
     print(json.dumps(rec, indent=1, default=str))
 
 
+def cmd_checkpoints(args) -> None:
+    """Copy the committed checkpoints (checkpoints/<profile>/) to runs/<profile>/drafters/, where notebooks 03
+    and 06 look for drafters, and load each on the CPU with the plan's target (a wrong one is refused)."""
+    from kvshot_lib.drafters import load_drafter
+    from kvshot_lib.target import load_target
+
+    plan = load(args)
+    src = ROOT / "checkpoints" / plan.profile
+    if not src.is_dir():
+        fail(f"no committed checkpoints in {src}: merge a GPU job's output first.")
+    target = load_target(plan.target, device="cpu", dtype="float32")
+    for folder in sorted(p for p in src.iterdir() if (p / "config.json").is_file()):
+        d = load_drafter(folder, target)
+        dest = ROOT / "runs" / plan.profile / "drafters" / folder.name
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(folder, dest)
+        print(f"{folder.name}: {d.cfg.paradigm}, {d.n_trainable():,} parameters -> {dest.relative_to(ROOT)}")
+
+
 def cmd_dry_run(args) -> None:
     """The whole path on this CPU at smoke scale: pack, a bare copy of the working tree staged part by part, every
     job as its own process with a fresh $OUT, the limits of what comes back, the merge, and the redraw."""
-    from kvshot_lib.reference import load_plan, outputs, payload
+    from kvshot_lib.reference import outputs, payload
+    from kvshot_lib.reference.plan import load_plan
 
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -301,6 +323,10 @@ def main() -> None:
     p.add_argument("--root", default=str(ROOT), help="where runs/, figures/, checkpoints/ and data/ are")
     p.add_argument("--name", default=None, help="the run's name (default: the profile's)")
     p.add_argument("--verify", action="store_true", help="load every imported checkpoint on the CPU")
+    p = sub.add_parser(
+        "checkpoints", help="committed checkpoints -> runs/<profile>/drafters/ (for notebooks 03, 06)"
+    )
+    common(p)
     p = sub.add_parser("dry-run", help="the whole path on this CPU at smoke scale")
     p.add_argument("--work", default="/tmp/kvshot-reference-dry")
     p.add_argument("--jobs", default=None, help="comma-separated jobs (default: all)")
@@ -309,14 +335,9 @@ def main() -> None:
     args = ap.parse_args()
     if not hasattr(args, "smoke"):
         args.smoke = False
-    {
-        "plan": cmd_plan,
-        "pack": cmd_pack,
-        "stage": cmd_stage,
-        "job": cmd_job,
-        "merge": cmd_merge,
-        "dry-run": cmd_dry_run,
-    }[args.cmd](args)
+    commands = dict(plan=cmd_plan, pack=cmd_pack, stage=cmd_stage, job=cmd_job, merge=cmd_merge)
+    commands.update({"checkpoints": cmd_checkpoints, "dry-run": cmd_dry_run})
+    commands[args.cmd](args)
 
 
 if __name__ == "__main__":
