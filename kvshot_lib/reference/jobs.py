@@ -230,6 +230,9 @@ def regenerate_job(plan: Plan, job: Job, out: Path, device: str, clock: Clock, p
         max_len=d["max_len"], seed=plan.seed, max_new_tokens=r["max_new_tokens"], max_turns=r["max_turns"]
     )
     kw.update(batch_size=r["batch_size"], shard_size=max(r["batch_size"], 64), progress=progress)
+    from .payload import staged_prompts
+
+    kw["conversations"] = staged_prompts()  # None off the device: read ShareGPT itself
     done = {}
     for split, n in (("eval", d["n_eval_conversations"]), ("train", d["n_train_conversations"])):
         t = time.perf_counter()

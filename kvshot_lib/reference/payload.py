@@ -15,7 +15,9 @@ The payload (a tar; the small files inside a nested ``small.tar.xz``):
   so the target's tokenizer there is byte for byte this one; the weights are dequantized from the GGUF there
   and checked against ``weights_digest`` (the sha256 of every tensor of this machine's conversion);
 * ``site/gguf``: the pure-Python ``gguf`` package transformers needs to read the GGUF (not in the GPU image);
-* ``cache/tokenized/``: the profile's tokenized ShareGPT slices (training and held-out), ready for the cache.
+* ``cache/tokenized/``: the profile's tokenized ShareGPT slices (training and held-out), ready for the cache;
+* ``prompts/sharegpt_prompts.json``: the system and user turns of those conversations, which the regeneration
+  job answers (ShareGPT itself, 125 MB, does not travel).
 
 Regenerated responses are not in the payload: the merge step commits them (``data/<profile>/regenerated/``),
 so they travel with the working tree.
@@ -31,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +44,7 @@ MiB = 1 << 20
 PAYLOAD_DIR = REPO_ROOT / "runs" / "reference-payload"
 GGUF_REL = assets.SMOLLM2_GGUF[1]
 MTBENCH_REL = assets.MTBENCH_JSONL[1]
+PROMPTS = "prompts/sharegpt_prompts.json"
 MODEL_FILES = (
     "config.json",
     "generation_config.json",
@@ -91,6 +95,22 @@ def tree_bytes(root: Path = REPO_ROOT) -> int:
     return sum((root / p.decode()).stat().st_size for p in out if p and (root / p.decode()).is_file())
 
 
+def _write_prompts(path: Path, ids: list[str]) -> Path:
+    """The system and user turns of the slices' conversations (what the regeneration job reads), as JSON."""
+    from ..corpus import load_sharegpt
+    from ..corpus.regenerate import prompt_turns
+
+    by_id = dict(load_sharegpt()[0])
+    path.write_text(json.dumps({i: prompt_turns(by_id[i]) for i in ids}, ensure_ascii=False))
+    return path
+
+
+def staged_prompts() -> dict | None:
+    """The slices' prompts staged on this machine (``{id: messages}``), or None when nothing is staged."""
+    path = stage_dir() / "assets" / PROMPTS
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size, info.mtime = len(data), 0
@@ -109,11 +129,14 @@ def pack(
     tok = smollm2_tokenizer()
     model_dir = assets.smollm2_model_dir()
     small: dict[str, Path] = {f"model/{f}": model_dir / f for f in MODEL_FILES if (model_dir / f).is_file()}
+    prompt_ids = []
     for split, n in (("train", data["n_train_conversations"]), ("eval", data["n_eval_conversations"])):
-        spec = tokenize_sharegpt(tok, split, n, data["max_len"], seed=plan.seed).spec
-        path = split_cache_path(spec)
+        tokenized = tokenize_sharegpt(tok, split, n, data["max_len"], seed=plan.seed)
+        prompt_ids += tokenized.source_ids
+        path = split_cache_path(tokenized.spec)
         small[f"cache/tokenized/{path.name}"] = path
     small[f"files/{MTBENCH_REL}"] = assets.mtbench_jsonl()
+    small[PROMPTS] = _write_prompts(Path(tempfile.mkdtemp()) / "sharegpt_prompts.json", prompt_ids)
     import gguf
 
     gguf_root = Path(gguf.__file__).parent
@@ -236,12 +259,23 @@ def _install(parts_dir: Path, pack_id: str, n: int) -> dict:
     for f in (root / "model").iterdir():  # this machine's tokenizer and config files are the packer's
         shutil.copyfile(f, converted / f.name)
     digest = weights_digest(converted)
+    code = (
+        "import json; from kvshot_lib.reference.self_check import self_check; print(json.dumps(self_check()))"
+    )
+    env.pop("KVSHOT_ASSETS_DIR")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    print(done.stdout[-3000:], done.stderr[-3000:] if done.returncode else "")
+    try:
+        check = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        check = dict(ok=False, error=done.stderr[-2000:])
     ready = dict(
         pack_id=pack_id,
         profile=manifest["profile"],
         smoke=manifest["smoke"],
         weights_match=digest == manifest["weights_digest"],
         weights_digest=digest,
+        self_check=check,
         install_seconds=round(time.perf_counter() - t0, 1),
     )
     (stage_dir() / "READY.json").write_text(json.dumps(ready, indent=1))
