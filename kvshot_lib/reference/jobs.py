@@ -104,13 +104,19 @@ def load_reference_target(plan: Plan, device: str):
 
 
 def checkpoint_path(plan: Plan, name: str) -> Path:
-    """A trained row's checkpoint: this machine's run of it, else the committed headline checkpoint."""
-    for path in (runs_dir() / name, REPO_ROOT / "checkpoints" / plan.profile / name):
+    """A trained row's checkpoint: this machine's run of it (an earlier job of the same lease), else one carried in
+    ``runs/<profile>/drafters/<row>`` (merge puts it there), else the committed ``checkpoints/<profile>/<row>``."""
+    places = (
+        runs_dir() / name,
+        REPO_ROOT / "runs" / plan.profile / "drafters" / name,
+        REPO_ROOT / "checkpoints" / plan.profile / name,
+    )
+    for path in places:
         if (path / "config.json").is_file():
             return path
     raise PlanError(
-        f"no checkpoint of row {name!r}: neither in {runs_dir()} (a job on this machine) nor committed in "
-        f"checkpoints/{plan.profile}/{name}. Train it first (or evaluate other rows with --rows)."
+        f"no checkpoint of row {name!r} in {', '.join(map(str, places))}. Train it first, carry "
+        f"runs/{plan.profile}/drafters/{name} with the call (or evaluate other rows with --rows)."
     )
 
 

@@ -80,10 +80,15 @@ def cmd_plan(args) -> None:
             f"set -o pipefail; mkdir -p $OUT/{job.name}; PYTHONUNBUFFERED=1 python3 scripts/reference/run_job.py "
             f"job {job.name} 2>&1 | tee $OUT/{job.name}/log.txt"
         )
-        print(
-            json.dumps(dict(command=cmd, timeout_s=600))
-            + f"  # {job.kind}: {', '.join(job.rows) or 'ShareGPT'}"
+        needs = (
+            job.rows
+            if job.kind == "eval"
+            else [plan.row(r).init_row for r in job.rows if plan.row(r).init_row]
         )
+        call = dict(command=cmd, timeout_s=600)
+        if needs:  # checkpoints trained on another machine travel in runs/ (merge puts them there)
+            call["carry"] = [f"runs/{plan.profile}/drafters/{r}" for r in dict.fromkeys(needs)]
+        print(json.dumps(call) + f"  # {job.kind}: {', '.join(job.rows) or 'ShareGPT'}")
     print(
         "# 3. here, after each job: python scripts/reference/run_job.py merge <files_at>; commit figures/, checkpoints/, data/"
     )
