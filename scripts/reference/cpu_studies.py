@@ -131,7 +131,11 @@ def study_vocab(args, params, shared) -> None:
     rows = []
     for size in args.sizes:
         d2t = build_draft_vocab(train_store, tgt, size)
-        spec = dict(paradigm="hidden", regime="ttt", name=f"hidden-ttt-v{size}", draft_vocab_size=size)
+        spec = dict(
+            paradigm="hidden", regime=args.regime, name=f"hidden-{args.regime}-v{size}", draft_vocab_size=size
+        )
+        if args.eval_steps:
+            spec["eval_steps"] = args.eval_steps
         row = dict(draft_vocab_size=size, share_of_target_vocab=round(size / V, 4))
         row.update(
             coverage_train_assistant=round(coverage(d2t, train_counts), 4),
@@ -281,6 +285,8 @@ def main() -> None:
     )
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--regimes", nargs="+", default=["ttt"], help="control: the regimes to train")
+    ap.add_argument("--regime", default="ttt", help="vocab: the hidden-only drafter's regime")
+    ap.add_argument("--eval-steps", type=int, default=0, help="vocab: held-out draft steps evaluated (0: 7)")
     ap.add_argument(
         "--regen-batch", type=int, default=16, help="regeneration: conversations decoded together"
     )
@@ -291,6 +297,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "studies")
     args = ap.parse_args()
+    if args.steps:  # a shorter study keeps its runs apart from the full-budget ones
+        args.runs = args.runs / f"steps{args.steps}"
     torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     params = default_settings()
