@@ -183,11 +183,12 @@ def train_job(
         ):  # one draft vocabulary for every row: the original training slice's most frequent tokens
             original = data_splits(plan, target, "original")[0]
             d2t = build_draft_vocab(original, target, row.train_config().draft_vocab_size)
-        share = clock.left() / (len(rows) - i)
-        init = inits.get(row.name) or (str(runs_dir() / row.init_row) if row.init_row else None)
-        if share < min(20.0, 0.1 * (clock.deadline - clock.t0)):
+        floor = min(20.0, 0.1 * (clock.deadline - clock.t0))  # the least a row is worth starting for
+        if clock.left() < floor:  # rows run in priority order: the last ones give way
             summaries.append(dict(drafter=row.name, skipped=f"no time left ({clock.left():.0f} s)"))
             continue
+        share = max(floor, clock.left() / (len(rows) - i))
+        init = inits.get(row.name) or (str(runs_dir() / row.init_row) if row.init_row else None)
         t_row = time.perf_counter()
         cfg0 = row.train_config(init_from=init)
         step_s, eval_s = calibrate(target, train, eval_set, cfg0, d2t)
