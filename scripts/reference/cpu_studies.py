@@ -198,7 +198,10 @@ def regenerated_data(args, params, tgt):
     )
     kw = dict(max_len=max_len, seed=seed, batch_size=args.regen_batch, **REGEN)
     n_held = params["eval_sequences"]
-    held = corpus.regenerate_sharegpt(tgt, "eval", n_eval, shard_size=n_held, max_seconds=0.0, **kw)
+    held_split = corpus.tokenize_sharegpt(tgt.tokenizer, "eval", n_eval, max_len, seed=seed)
+    held = corpus.cached_regeneration(tgt, held_split, REGEN["max_new_tokens"], REGEN["max_turns"])
+    if held is None or len(held) + held.counts.get("template_mismatch", 0) < n_held:
+        held = corpus.regenerate_sharegpt(tgt, "eval", n_eval, shard_size=n_held, max_seconds=0.0, **kw)
     train = corpus.tokenize_sharegpt(tgt.tokenizer, "train", n_train, max_len, seed=seed)
     regen = corpus.cached_regeneration(tgt, train, REGEN["max_new_tokens"], REGEN["max_turns"])
     while regen is None or len(regen) + regen.counts.get("template_mismatch", 0) < args.regen_conversations:
