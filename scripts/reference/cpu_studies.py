@@ -296,6 +296,9 @@ def main() -> None:
     ap.add_argument(
         "--data-only", action="store_true", help="regeneration: only regenerate (and cache) the data"
     )
+    ap.add_argument(
+        "--regen-conversations", type=int, default=128, help="regeneration: training conversations"
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "studies")
