@@ -223,3 +223,29 @@ def test_bootstrap_point_values_match_the_summary_and_lie_in_the_interval():
     for m in ("alpha_0", "alpha_6", "mat", "retention"):
         assert boot.loc[m, "lo"] <= boot.loc[m, "value"] <= boot.loc[m, "hi"]
         assert boot.loc[m, "lo"] < boot.loc[m, "hi"]
+
+
+def test_regeneration_archives_split_under_the_limit_and_reinstall(tmp_path):
+    folder = tmp_path / "cache" / "regenerated" / "smollm2-135m-abc"
+    folder.mkdir(parents=True)
+    shards = []
+    for i in range(3):
+        recs = [dict(id=f"c{i}-{j}", messages=[{"role": "user", "content": "x" * 400}]) for j in range(2)]
+        (folder / f"shard-{i:05d}.json").write_text(json.dumps(recs))
+        shards.append(dict(file=f"shard-{i:05d}.json", conversations=2, generated_tokens=10))
+    (folder / "manifest.json").write_text(json.dumps(dict(shards=shards)))
+    out = tmp_path / "out" / "regen"
+    out.mkdir(parents=True)
+    parts = outputs.add_regenerated(out, folder, raw_budget=1000)
+    assert [p.name for p in parts] == [f"regenerated-smollm2-135m-abc.part{k}of3.tar.gz" for k in (1, 2, 3)]
+    merged = merge._keep_regenerated(out, tmp_path / "repo", "reference")
+    assert len(merged) == 3
+    fresh = tmp_path / "fresh"
+    assert merge.install_regenerated(tmp_path / "repo" / "data" / "reference" / "regenerated", fresh) == [
+        folder.name
+    ]
+    for f in folder.iterdir():
+        assert (fresh / "regenerated" / folder.name / f.name).read_bytes() == f.read_bytes()
+    assert (
+        merge.install_regenerated(tmp_path / "repo" / "data" / "reference" / "regenerated", fresh) == []
+    )  # up to date

@@ -191,31 +191,39 @@ def _import_checkpoints(folder: Path, root: Path, name: str) -> list[Path]:
 
 
 def _keep_regenerated(folder: Path, root: Path, name: str) -> list[str]:
-    kept = []
-    for f in sorted(folder.glob("regenerated-*.tar.gz")):
-        dest = root / "data" / name / "regenerated" / f.name.removeprefix("regenerated-")
+    kept, dest_dir = [], root / "data" / name / "regenerated"
+    files = sorted(folder.glob("regenerated-*.tar.gz"))
+    for stem in {f.name.removeprefix("regenerated-").split(".")[0] for f in files}:
+        for old in dest_dir.glob(f"{stem}*.tar.gz"):  # a later regeneration holds every earlier shard
+            old.unlink()
+    for f in files:
+        dest = dest_dir / f.name.removeprefix("regenerated-")
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(f, dest)
         kept.append(str(dest))
-    install_regenerated(root / "data" / name / "regenerated")
+    install_regenerated(dest_dir)
     return kept
 
 
 def install_regenerated(src: Path, cache: Path | None = None) -> list[str]:
-    """Unpack committed regeneration archives into the cache (a folder with more shards is kept)."""
+    """Unpack regeneration archives (one or several parts per folder) into the cache, unless the cache's folder
+    already has as many shards."""
     cache = Path(cache or assets.cache_dir()) / "regenerated"
-    done = []
+    parts: dict[str, list[Path]] = {}
     for f in sorted(Path(src).glob("*.tar.gz")) if Path(src).is_dir() else []:
-        with tarfile.open(f) as t:
-            names = t.getnames()
-            manifest = json.loads(t.extractfile(next(n for n in names if n.endswith("manifest.json"))).read())
-            folder = cache / names[0].split("/")[0]
-            have = folder / "manifest.json"
-            if have.is_file() and len(json.loads(have.read_text())["shards"]) >= len(manifest["shards"]):
-                continue
-            shutil.rmtree(folder, ignore_errors=True)
-            t.extractall(cache, filter="data")
-            done.append(folder.name)
+        parts.setdefault(f.name.split(".")[0], []).append(f)
+    done = []
+    for stem, files in parts.items():
+        with tarfile.open(files[0]) as t:
+            manifest = json.loads(t.extractfile(f"{stem}/manifest.json").read())
+        have = cache / stem / "manifest.json"
+        if have.is_file() and len(json.loads(have.read_text())["shards"]) >= len(manifest["shards"]):
+            continue
+        shutil.rmtree(cache / stem, ignore_errors=True)
+        for f in files:
+            with tarfile.open(f) as t:
+                t.extractall(cache, filter="data")
+        done.append(stem)
     return done
 
 

@@ -9,7 +9,8 @@ A job writes into ``<OUT>/<job>/``:
 * ``<row>.safetensors``: a headline row's checkpoint, trainable weights in bf16 plus ``d2t`` and
   ``target_probe``, with its ``config.json`` in the file's metadata (split in ``<row>.partIofN.safetensors``
   files when over :data:`MAX_FILE`); :func:`import_checkpoint` turns it back into a checkpoint folder;
-* ``regenerated-<folder>.tar.gz``: a regeneration's cache folder (JSON shards and manifest).
+* ``regenerated-<folder>.tar.gz`` (or ``.partKofN`` files): a regeneration's cache folder (JSON shards and
+  manifest).
 
 :func:`check_limits` checks a job's output against those limits (the dry run calls it after every job).
 """
@@ -122,19 +123,32 @@ def import_checkpoint(files: list[Path], folder: Path) -> Path:
     return folder
 
 
-def add_regenerated(out: Path, folder: Path) -> Path:
-    """A regeneration cache folder as ``regenerated-<folder>.tar.gz``."""
-    path = Path(out) / f"regenerated-{Path(folder).name}.tar.gz"
-    with tarfile.open(path.with_suffix(".tmp"), "w:gz") as t:
-        for f in sorted(Path(folder).iterdir()):
-            if f.suffix == ".json":
-                t.add(str(f), arcname=f"{Path(folder).name}/{f.name}", recursive=False)
-    path.with_suffix(".tmp").rename(path)
-    if path.stat().st_size > MAX_FILE:
-        raise OutputLimitError(
-            f"{path.name} is {path.stat().st_size / MiB:.1f} MiB; lower shard counts per job."
-        )
-    return path
+def add_regenerated(out: Path, folder: Path, raw_budget: int = 40 * MiB) -> list[Path]:
+    """A regeneration cache folder as ``regenerated-<folder>.tar.gz``, or ``...partKofN.tar.gz`` files of at most
+    ``raw_budget`` bytes of JSON each (about a third of that compressed); every part carries the manifest."""
+    folder = Path(folder)
+    shards = sorted(folder.glob("shard-*.json"))
+    groups, size = [[]], 0
+    for f in shards:
+        if groups[-1] and size + f.stat().st_size > raw_budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(f)
+        size += f.stat().st_size
+    for old in Path(out).glob(f"regenerated-{folder.name}*.tar.gz"):
+        old.unlink()
+    paths = []
+    for k, group in enumerate(groups):
+        suffix = "" if len(groups) == 1 else f".part{k + 1}of{len(groups)}"
+        path = Path(out) / f"regenerated-{folder.name}{suffix}.tar.gz"
+        with tarfile.open(path.with_suffix(".tmp"), "w:gz") as t:
+            for f in [folder / "manifest.json", *group]:
+                t.add(str(f), arcname=f"{folder.name}/{f.name}", recursive=False)
+        path.with_suffix(".tmp").rename(path)
+        if path.stat().st_size > MAX_FILE:
+            raise OutputLimitError(f"{path.name} is {path.stat().st_size / MiB:.1f} MiB; lower raw_budget.")
+        paths.append(path)
+    return paths
 
 
 def write_acceptance(out: Path, runs, n_boot: int, done: list[dict]) -> None:

@@ -298,4 +298,8 @@ def activate(local: bool = False) -> dict:
     os.environ["KVSHOT_ASSETS_DIR"] = str(root / "files")
     if str(root / "site") not in sys.path:
         sys.path.insert(0, str(root / "site"))
-    return dict(staged=True, **json.loads(ready.read_text()))
+    info = json.loads(ready.read_text())
+    from .merge import install_regenerated  # the committed regenerations travel with the working tree
+
+    installed = install_regenerated(REPO_ROOT / "data" / info["profile"] / "regenerated")
+    return dict(staged=True, regenerated_installed=installed, **info)
