@@ -190,6 +190,8 @@ def train_job(
         share = max(floor, clock.left() / (len(rows) - i))
         init = inits.get(row.name) or (str(runs_dir() / row.init_row) if row.init_row else None)
         t_row = time.perf_counter()
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
         cfg0 = row.train_config(init_from=init)
         step_s, eval_s = calibrate(target, train, eval_set, cfg0, d2t)
         budget = share - (time.perf_counter() - t_row) - 5.0
@@ -208,6 +210,9 @@ def train_job(
         )
         summary = run_summary(result)
         summary.update(
+            max_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if device.startswith("cuda")
+            else None,
             responses=what,
             calibration_step_s=round(step_s, 4),
             calibration_eval_s=round(eval_s, 3),
