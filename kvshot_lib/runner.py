@@ -58,11 +58,12 @@ def load_profile(name_or_path: str) -> Profile:
                 f"Unknown profile {name_or_path!r}: not a YAML file and not one of {available_profiles()}."
             )
     raw = yaml.safe_load(path.read_text()) or {}
-    unknown = set(raw) - {"description", "notebooks", "parameters", "overrides"}
+    unknown = set(raw) - {"description", "notebooks", "parameters", "overrides", "reference"}
     if unknown:
         raise ProfileError(
             f"{path}: unknown top-level keys {sorted(unknown)}; allowed: description, notebooks, "
-            "parameters, overrides."
+            "parameters, overrides, reference (the GPU reference run's rows and jobs, read by "
+            "scripts/reference/run_job.py, not by the notebooks)."
         )
     for key in ("parameters", "overrides"):
         if not isinstance(raw.get(key) or {}, dict):

@@ -91,8 +91,9 @@ def test_unknown_profile_is_a_clear_error():
 @pytest.mark.parametrize("name", runner.available_profiles())
 def test_packaged_profiles_fit_the_real_notebooks(name):
     assert {"smoke", "default", "qwen3-8b"} <= set(runner.available_profiles())
-    plan = plan_run(runner.load_profile(name))
-    assert [nb.name[:2] for nb, _ in plan] == sorted(runner.list_notebooks())
+    profile = runner.load_profile(name)
+    plan = plan_run(profile)
+    assert [nb.name[:2] for nb, _ in plan] == (profile.notebooks or sorted(runner.list_notebooks()))
 
 
 def test_failing_notebook_stops_the_run_and_is_kept(tmp_path):

@@ -131,6 +131,11 @@ class TokenizedSplit:
     def n_tokens(self) -> int:
         return int(sum(len(x) for x in self.ids))
 
+    def sequences(self, fields=("input_ids", "loss_mask")):
+        """Each conversation as ``{"input_ids", "loss_mask"}`` (what a feature store yields for these fields)."""
+        for ids, mask in zip(self.ids, self.loss_mask):
+            yield {"input_ids": ids, "loss_mask": mask}
+
 
 def tokenize_sharegpt(
     tokenizer,
@@ -160,8 +165,7 @@ def tokenize_sharegpt(
         eval_size=eval_size,
         tokenizer=tokenizer_fingerprint(tokenizer),
     )
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-    path = assets.cache_dir() / "tokenized" / f"sharegpt-{key}.safetensors"
+    path = split_cache_path(spec)
     if use_cache and path.is_file():
         return _load_split(path, spec)
     conversations, load_counts = load_sharegpt()
@@ -193,6 +197,12 @@ def tokenize_sharegpt(
     if use_cache:
         _save_split(path, out)
     return out
+
+
+def split_cache_path(spec: dict):
+    """Where :func:`tokenize_sharegpt` caches the slice of ``spec`` (a :attr:`TokenizedSplit.spec`)."""
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    return assets.cache_dir() / "tokenized" / f"sharegpt-{key}.safetensors"
 
 
 def _save_split(path, split: TokenizedSplit) -> None:

@@ -24,12 +24,14 @@ CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 def drafter_class(paradigm: str):
     from .block import BlockDrafter
+    from .cross import CrossDrafter
     from .hidden import HiddenDrafter
     from .hybrid import HybridDrafter
     from .kv import KVDrafter
+    from .no_target import NoTargetDrafter
 
     classes = {"hidden": HiddenDrafter, "kv": KVDrafter, "hybrid": HybridDrafter}
-    classes.update(block=BlockDrafter)
+    classes.update(block=BlockDrafter, none=NoTargetDrafter, cross=CrossDrafter)
     return classes[paradigm]
 
 
@@ -44,11 +46,18 @@ def build_drafter(cfg: DrafterConfig, target, d2t: torch.Tensor, seed: int | Non
         return drafter_class(cfg.paradigm)(cfg, target, d2t).to(device)
 
 
-def save_drafter(drafter, path: str | Path) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` under ``path`` (atomically per file)."""
+def save_drafter(drafter, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` under ``path`` (atomically per file).
+
+    ``dtype`` (e.g. ``torch.bfloat16``) stores the trainable weights in that dtype (the reference run's committed
+    checkpoints); ``d2t`` and ``target_probe`` keep theirs. Loading casts back to the drafter's dtype."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    if dtype is not None:
+        state = {
+            k: v.to(dtype) if v.is_floating_point() and k != "target_probe" else v for k, v in state.items()
+        }
     tmp = path / (WEIGHTS_FILE + ".tmp")
     save_file(state, str(tmp), metadata={"format": drafter.cfg.format})
     tmp.rename(path / WEIGHTS_FILE)

@@ -12,7 +12,7 @@ A :class:`TrainableDrafter` is an ``nn.Module`` *and* a :class:`~kvshot_lib.draf
 * ``forward(batch, n_steps)`` unrolls the drafter ``n_steps`` times over a :class:`TrainBatch` (see
   ``unroll.py`` for the index convention) and returns every step's output hidden state.
 
-Subclasses (``hidden.py``, ``kv.py``, ``hybrid.py``) define ``layers`` and, as needed, ``fuse`` (the fc of
+Subclasses (``hidden.py``, ``kv.py``, ``hybrid.py``, ``cross.py``, ``no_target.py``) define ``layers`` and, as needed, ``fuse`` (the fc of
 the target's hidden states) and ``injectors`` (how the target's KV enters the drafter's attention).
 """
 
@@ -150,7 +150,7 @@ class TrainableDrafter(nn.Module):
             N,
             dev,
             injected,
-            own_context=self.cfg.uses_hidden,
+            own_context=self.cfg.own_context,
             target_in_self=self.paradigm == "kv",
             recorder=recorder,
             branches=branches,

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-PARADIGMS = ("hidden", "kv", "hybrid")
-PARADIGMS += ("block",)  # the parallel block drafter (DFlash-style; drafters/block.py), trained by "parallel"
+PARADIGMS = ("hidden", "kv", "hybrid", "none", "cross", "block")
+# "none": the no-target control (a tiny LM over the prefix; reads nothing of the target but its embedding and
+# LM head); "cross": the hybrid's cross-attention path on the target's KV without its self-attention path.
+READS_HIDDEN = ("hidden", "hybrid", "cross")  # paradigms that fuse the target's hidden states
+READS_KV = ("kv", "hybrid", "cross")  # paradigms that read the target's KV cache
+OWN_CONTEXT = ("hidden", "hybrid", "none")  # paradigms with their own K/V over every context position
+# "block": the parallel block drafter (DFlash-style; drafters/block.py), trained by "parallel"
 BLOCK_CONTEXTS = ("kv", "hidden", "both")  # what of the target a block drafter reads
 KV_MODES = ("concat", "linear", "linear_rope")
 REGIMES = ("tf", "ttt", "ttt_dense", "parallel")  # parallel: the block drafter's own regime
@@ -30,7 +35,7 @@ class DrafterTargetMismatch(ValueError):
 
 @dataclass
 class DrafterConfig:
-    paradigm: str  # "hidden" | "kv" | "hybrid" | "block"
+    paradigm: str  # "hidden" | "kv" | "hybrid" | "none" (no-target control) | "cross" (cross-only) | "block"
     n_layers: int
     hidden_size: int
     intermediate_size: int
@@ -67,11 +72,16 @@ class DrafterConfig:
 
     @property
     def uses_hidden(self) -> bool:
-        return self.paradigm in ("hidden", "hybrid") or self.context in ("hidden", "both")
+        return self.paradigm in READS_HIDDEN or self.context in ("hidden", "both")
 
     @property
     def uses_target_kv(self) -> bool:
-        return self.paradigm in ("kv", "hybrid") or self.context in ("kv", "both")
+        return self.paradigm in READS_KV or self.context in ("kv", "both")
+
+    @property
+    def own_context(self) -> bool:
+        """Whether the drafter keeps its own K/V for every context position (hidden, hybrid, no-target)."""
+        return self.paradigm in OWN_CONTEXT
 
     @property
     def n_injected_heads(self) -> int:
@@ -110,6 +120,8 @@ class DrafterConfig:
             bad(f"the {self.paradigm} drafter needs hidden_layers (target layers to fuse).")
         if self.uses_target_kv and not self.kv_layers:
             bad(f"the {self.paradigm} drafter needs kv_layers (target layers whose KV it reads).")
+        if (self.hidden_layers and not self.uses_hidden) or (self.kv_layers and not self.uses_target_kv):
+            bad(f"the {self.paradigm} drafter reads no target layers of that kind; leave them empty.")
         for name in ("hidden_layers", "kv_layers"):
             layers = getattr(self, name)
             if any(not 0 <= x < self.target_n_layers for x in layers):
@@ -178,8 +190,8 @@ def drafter_config_for(
     if paradigm not in PARADIGMS:
         raise DrafterConfigError(f"paradigm must be one of {PARADIGMS}, got {paradigm!r}.")
     default_layers = tuple(info.default_hidden_layers())
-    hidden_layers = tuple(hidden_layers or default_layers) if paradigm != "kv" else ()
-    kv_layers = tuple(kv_layers or default_layers) if paradigm != "hidden" else ()
+    hidden_layers = tuple(hidden_layers or default_layers) if paradigm in (*READS_HIDDEN, "block") else ()
+    kv_layers = tuple(kv_layers or default_layers) if paradigm in (*READS_KV, "block") else ()
     if paradigm == "block":  # it reads what its context names
         hidden_layers = hidden_layers if context in ("hidden", "both") else ()
         kv_layers = kv_layers if context in ("kv", "both") else ()

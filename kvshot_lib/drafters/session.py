@@ -1,13 +1,14 @@
 """Decode-time sessions of the trained drafters (the :class:`~kvshot_lib.drafters.base.DraftSession` contract).
 
-One class serves the three paradigms: it is the attention context the drafter's layers ask for segments,
+One class serves every trainable paradigm: it is the attention context the drafter's layers ask for segments,
 exactly as :class:`~kvshot_lib.drafters.unroll.UnrollContext` is during training, so decoding computes what
 training computed (``tests/test_drafters_session.py`` checks that step by step).
 
 State, all preallocated and grown by doubling:
 
 * ``own_k/own_v[layer] [1, kvH, cap, D]``: the drafter's own K/V. Hidden/hybrid: rows ``0..P-1`` hold
-  positions ``1..P`` (feature of ``t`` paired with token ``t+1``), computed once as features arrive; KV-only:
+  positions ``1..P`` (feature of ``t`` paired with token ``t+1``), computed once as features arrive (the
+  no-target control: from token ``t+1`` alone, as the tokens are committed); KV-only:
   row 0 holds the root. Rows after that hold the current cycle's draft-tree nodes.
 * ``tgt_k/tgt_v[layer] [1, heads, cap, D]`` (KV-only, hybrid): the target's KV of the chosen layers as the
   layer reads it (after its injector); only positions new since the last cycle are read from the cache.
@@ -108,18 +109,24 @@ class TrainedDraftSession:
         self.P, self.n_nodes, self._mode = P, 0, "context"
         if d.cfg.uses_target_kv:
             self._ingest_target(view.cache, P)
-        if d.cfg.uses_hidden:
-            feats = torch.cat([view.hidden[layer][0] for layer in self.hidden_layers], dim=-1)  # [n_new, 3H]
-            n_new = feats.shape[0]
+        if d.cfg.uses_hidden or d.cfg.own_context:
+            if d.cfg.uses_hidden:
+                feats = torch.cat(
+                    [view.hidden[layer][0] for layer in self.hidden_layers], dim=-1
+                )  # [n_new, 3H]
+                n_new = feats.shape[0]
+            else:  # the no-target control: its context rows come from the committed tokens alone
+                n_new = P - self.n_own
             r0 = P - n_new  # own row of the first new position (row = position - 1)
-            if r0 > self.n_own:
+            if n_new < 1 or r0 > self.n_own:
                 raise ValueError(
-                    f"drafter session: hidden states for positions {self.n_own}..{r0 - 1} were never "
-                    f"given (view.hidden covers {r0}..{P - 1}); pass every newly committed position."
+                    f"drafter session: context rows {self.n_own}..{r0 - 1} were never ingested (this cycle "
+                    f"brings {r0}..{P - 1}); pass the hidden states of every newly committed position, and "
+                    "only a growing context."
                 )
             positions = torch.arange(r0 + 1, P + 1, device=self.anc.device)  # [n_new]
-            x = d.fuse(feats.to(d.head.dtype))[None]  # [1, n_new, H]
             emb = d.embed(committed[:, r0 + 1 : P + 1])  # [1, n_new, H]
+            x = d.fuse(feats.to(d.head.dtype))[None] if d.cfg.uses_hidden else emb  # [1, n_new, H]
             self._rows = (r0, P)
             rows = torch.arange(n_new, device=positions.device)[:, None]
             self._own_mask = (

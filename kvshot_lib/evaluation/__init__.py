@@ -6,7 +6,8 @@
 * :mod:`.speedup` times plain, speculative and Hugging Face decoding in one run on one machine;
 * SpecPV at long context: :mod:`.specpv_fidelity` (exact match, divergence, top-1 agreement, KL, hidden
   cosine by distance, ROUGE-L against lossless decoding), :mod:`.specpv_speed` (decode tokens/s, phase
-  times, MAT by verification kind, in one run) and :mod:`.specpv_cost` (the fitted cost model, crossover).
+  times, MAT by verification kind, in one run) and :mod:`.specpv_cost` (the fitted cost model, crossover);
+* :mod:`.bootstrap` gives 95% intervals of acceptance metrics by resampling generations.
 
 It hands result tables (one row per drafter, mode, step or method) to the plots.
 """
@@ -23,6 +24,7 @@ from .acceptance import (
     run_engine,
     run_greedy_replay,
 )
+from .bootstrap import bootstrap_acceptance
 from .speedup import (
     METHODS,
     machine_info,
@@ -37,6 +39,7 @@ __all__ = [
     "AcceptanceRun",
     "Reference",
     "acceptance_summary",
+    "bootstrap_acceptance",
     "acceptance_table",
     "greedy_references",
     "machine_info",

@@ -369,7 +369,9 @@ def redraw(figure_dir: str | Path, out_dir: str | Path | None = None, names=None
 def add_cli(sub) -> None:
     p = sub.add_parser("figures", help="redraw a profile's figures from its saved tables (no model loaded)")
     p.add_argument(
-        "--profile", default="default", help="a profile whose figures/<profile>/data/ holds tables"
+        "--profile",
+        default="default",
+        help="a profile whose figures/<profile>/data/ holds tables, or the path of such a figure folder",
     )
     p.add_argument("--out", default=None, help="write the figures here (default: figures/<profile>/)")
     p.add_argument(
@@ -384,6 +386,8 @@ def _cli_figures(args) -> int:
     from ..target.assets import REPO_ROOT
 
     figure_dir = REPO_ROOT / "figures" / args.profile
+    if not figure_dir.is_dir() and Path(args.profile).is_dir():  # a figure folder given by its path
+        figure_dir = Path(args.profile)
     try:
         names = redraw(figure_dir, args.out, args.only)
     except FigureDataError as e:

@@ -27,6 +27,7 @@ PARADIGM_COLORS = {
     "hybrid": _PALETTE[2],  # green
     "block": _PALETTE[4],  # purple
     "none": _PALETTE[7],  # grey: the no-target control
+    "cross": _PALETTE[5],  # brown: cross-only (the hybrid's cross-attention path alone)
     "ngram": _PALETTE[1],  # orange
     "self": _PALETTE[9],  # sky blue
     "early-exit": _PALETTE[8],  # yellow

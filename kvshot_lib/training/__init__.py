@@ -1,5 +1,6 @@
 """The training stage: turn a feature store into a trained drafter checkpoint, with its logs.
 
+* training data: feature stores, or tokenized splits with the target run inside the loop (``online.py``);
 * :class:`TrainConfig` (and :func:`parse_drafter_specs` for a notebook's list of drafters) is the one place
   a parameter dict becomes a validated configuration;
 * :func:`train_drafter` trains one drafter under teacher forcing, TTT, TTT with dense
@@ -11,8 +12,10 @@ It hands checkpoint folders (``config.json`` + ``model.safetensors``) and log ta
 evaluation and the plots.
 """
 
-from .batches import StoreBatches, batch_from_target, collate, target_sequence
-from .config import TrainConfig, TrainConfigError, parse_drafter_specs
+from .batches import BatchOrder, StoreBatches, batch_from_target, collate, target_sequence
+from .config import DATA_SOURCES, TrainConfig, TrainConfigError, parse_drafter_specs
+from .convergence import EarlyStopping, heldout_acceptance, plateau, run_summary
+from .data import check_data, init_from_checkpoint
 from .grad_probes import (
     GROUPS,
     PROBE_TABLES,
@@ -37,8 +40,20 @@ from .loop import (
     train_drafter,
 )
 from .losses import branch_valid, regime_loss, sample_branches, step_mask
+from .online import OnlineBatches, online_eval_set, target_batch
 
 __all__ = [
+    "BatchOrder",
+    "DATA_SOURCES",
+    "EarlyStopping",
+    "OnlineBatches",
+    "check_data",
+    "heldout_acceptance",
+    "init_from_checkpoint",
+    "online_eval_set",
+    "plateau",
+    "run_summary",
+    "target_batch",
     "GROUPS",
     "KV_CONDITIONS",
     "LOG_TABLES",

@@ -1,4 +1,4 @@
-"""Batches for drafter training, from the feature store (or straight from a target, for tests).
+"""Batches for drafter training, from the feature store (or straight from a target; see ``online.py``).
 
 :class:`StoreBatches` turns a :class:`~kvshot_lib.features.FeatureStore` into padded
 :class:`~kvshot_lib.drafters.unroll.TrainBatch` es in a deterministic order: an endless stream of seeded
@@ -59,7 +59,33 @@ def collate(seqs: list[dict[str, Tensor]], cfg, max_tokens: int | None = None) -
     )
 
 
-class StoreBatches:
+class BatchOrder:
+    """The data position as a function of the optimizer step: seeded per-epoch permutations of ``n`` sequences,
+    split among ``world`` processes. Shared by the feature-store and the online batch sources, so both visit the
+    same sequences in the same order."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1, indices=None):
+        self.batch_size, self.seed, self.rank, self.world = batch_size, seed, rank, world
+        self.indices = np.arange(n) if indices is None else np.asarray(indices)
+        self._epochs: dict[int, np.ndarray] = {}
+
+    def _item(self, j: int) -> int:
+        n = len(self.indices)
+        epoch, pos = divmod(j, n)
+        if epoch not in self._epochs:
+            self._epochs = {epoch: np.random.default_rng([self.seed, epoch]).permutation(n)}
+        return int(self.indices[self._epochs[epoch][pos]])
+
+    def items(self, step: int) -> list[int]:
+        """Sequence indices of this process's share of optimizer step ``step``."""
+        g = self.batch_size * self.world
+        return [self._item(step * g + j) for j in range(self.rank, g, self.world)]
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.batch_size * self.world / len(self.indices)
+
+
+class StoreBatches(BatchOrder):
     """Deterministic, resumable batches of a feature store for one process of ``world``."""
 
     def __init__(
@@ -75,31 +101,14 @@ class StoreBatches:
     ):
         if len(store) == 0:
             raise ValueError(f"the feature store at {store.path} holds no sequences.")
-        self.store, self.cfg, self.batch_size, self.seed = store, cfg, batch_size, seed
-        self.rank, self.world, self.max_tokens = rank, world, max_tokens
-        self.indices = np.arange(len(store)) if indices is None else np.asarray(indices)
+        super().__init__(len(store), batch_size, seed, rank, world, indices)
+        self.store, self.cfg, self.max_tokens = store, cfg, max_tokens
         self.fields = store_fields(cfg)
-        self._epochs: dict[int, np.ndarray] = {}
-
-    def _item(self, j: int) -> int:
-        n = len(self.indices)
-        epoch, pos = divmod(j, n)
-        if epoch not in self._epochs:
-            self._epochs = {epoch: np.random.default_rng([self.seed, epoch]).permutation(n)}
-        return int(self.indices[self._epochs[epoch][pos]])
-
-    def items(self, step: int) -> list[int]:
-        """Sequence indices of this process's share of optimizer step ``step``."""
-        g = self.batch_size * self.world
-        return [self._item(step * g + j) for j in range(self.rank, g, self.world)]
 
     def batch(self, step: int) -> TrainBatch:
         return collate(
             [self.store.sequence(i, self.fields) for i in self.items(step)], self.cfg, self.max_tokens
         )
-
-    def epoch_of(self, step: int) -> float:
-        return step * self.batch_size * self.world / len(self.indices)
 
 
 @torch.no_grad()

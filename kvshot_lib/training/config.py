@@ -10,8 +10,20 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from ..drafters.config import BLOCK_CONTEXTS, KV_MODES, KV_SOFTMAX, PARADIGMS, REGIMES, TARGET_KV
+from ..drafters.config import (
+    BLOCK_CONTEXTS,
+    KV_MODES,
+    KV_SOFTMAX,
+    PARADIGMS,
+    READS_HIDDEN,
+    READS_KV,
+    REGIMES,
+    TARGET_KV,
+)
 from .grad_probes import GROUPS
+
+DATA_SOURCES = ("store", "online")
+STOP_METRICS = ("mat", "acc_0")
 
 
 class TrainConfigError(ValueError):
@@ -20,7 +32,7 @@ class TrainConfigError(ValueError):
 
 @dataclass
 class TrainConfig:
-    paradigm: str  # "hidden" | "kv" | "hybrid"
+    paradigm: str  # "hidden" | "kv" | "hybrid" | "none" (no-target control) | "cross" (cross-only) | "block"
     regime: (
         str  # "tf" (teacher forcing) | "ttt" | "ttt_dense" (TTT with dense per-position losses) | "parallel"
     )
@@ -76,6 +88,18 @@ class TrainConfig:
     probe_rel_threshold: float = 1e-2
     probe_samples: int = 2000  # raw (attention, gradient) pairs kept from the last probe
     save_every: int = 50  # resumable state every n steps
+    # data and convergence (the reference run)
+    data_source: str = (
+        "store"  # "store": a feature store; "online": the target runs in the loop on a tokenized split
+    )
+    init_from: str | None = (
+        None  # a checkpoint folder whose parameters of the same name and shape start this drafter
+    )
+    early_stop_patience: int = (
+        0  # stop after this many held-out evaluations without a better acceptance (0 = off)
+    )
+    early_stop_metric: str = "mat"  # "mat": 1 + sum_k prod_{j<=k} acc_j on the held-out slice; or "acc_0"
+    max_seconds: float | None = None  # wall-clock cap on training (then the last evaluation and the save)
 
     def __post_init__(self):
         if not self.name:  # the block drafter is named by its context: block-kv, block-hidden, block-both
@@ -88,7 +112,9 @@ class TrainConfig:
         if self.step_decay is None:
             self.step_decay = 0.8 if self.regime != "ttt_dense" else 1.0
         if self.feature_loss_weight is None:
-            self.feature_loss_weight = 1.0 if self.regime == "ttt_dense" and self.paradigm != "kv" else 0.0
+            self.feature_loss_weight = (
+                1.0 if self.regime == "ttt_dense" and self.paradigm in READS_HIDDEN else 0.0
+            )
         if self.kv_align_weight is None:
             self.kv_align_weight = 1.0 if self.regime == "ttt_dense" else 0.0
         self.validate()
@@ -118,10 +144,22 @@ class TrainConfig:
             bad(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}.")
         if self.target_kv not in TARGET_KV:
             bad(f"target_kv must be one of {TARGET_KV}, got {self.target_kv!r}.")
-        if self.target_kv != "real" and self.paradigm == "hidden":
-            bad("target_kv applies to drafters that read the target's KV (kv, hybrid), not to 'hidden'.")
+        if self.target_kv != "real" and self.paradigm not in (*READS_KV, "block"):
+            bad(
+                f"target_kv applies to drafters that read the target's KV {READS_KV}, not to {self.paradigm!r}."
+            )
         if self.kv_softmax not in KV_SOFTMAX:
             bad(f"kv_softmax must be one of {KV_SOFTMAX}, got {self.kv_softmax!r}.")
+        if self.data_source not in DATA_SOURCES:
+            bad(f"data_source must be one of {DATA_SOURCES}, got {self.data_source!r}.")
+        if self.early_stop_metric not in STOP_METRICS:
+            bad(f"early_stop_metric must be one of {STOP_METRICS}, got {self.early_stop_metric!r}.")
+        if self.early_stop_patience < 0:
+            bad(f"early_stop_patience must be >= 0 (0 = off), got {self.early_stop_patience}.")
+        if self.early_stop_patience and not self.eval_every:
+            bad("early stopping needs held-out evaluations: set eval_every > 0.")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            bad(f"max_seconds must be > 0 (or None), got {self.max_seconds}.")
         if self.kv_recency < 0:
             bad(f"kv_recency must be >= 0 (0 = no recency bias), got {self.kv_recency}.")
         self._validate_block(bad)
@@ -206,7 +244,7 @@ def _check_type(label: str, name: str, value, annotation: str) -> None:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif ann.startswith("float"):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif ann == "str":
+    elif ann.startswith("str"):
         ok = isinstance(value, str)
     elif ann == "bool":
         ok = isinstance(value, bool)

@@ -35,9 +35,12 @@ from ..drafters.checkpoint import CONFIG_FILE, save_drafter
 from ..drafters.vocab import count_tokens, draft_vocab_from_counts
 from .batches import StoreBatches
 from .config import TrainConfig
+from .convergence import EarlyStopping, plateau
+from .data import check_data, describe_data, init_from_checkpoint
 from .grad_probes import GradProbe, grouped_parameters
 from .heldout import EvalSet, evaluate_per_step, gate_summary
 from .losses import branch_valid, regime_loss, sample_anchors, sample_branches, step_mask
+from .online import OnlineBatches, online_eval_set
 from .state import STATE_DIR, load_train_state, read_train_state, save_train_state
 
 LOG_TABLES = ("history", "eval", "grad_probes", "kv_positions", "attention_mass", "kv_position_samples")
@@ -152,6 +155,7 @@ def train_drafter(
         drafter = load_drafter(out, target)
         extra = drafter.cfg.extra
         return TrainResult(drafter, out, cfg, read_logs(out), extra.get("train_seconds", 0.0))
+    check_data(cfg, train_store, eval_store)
     drafter = _new_drafter(target, train_store, eval_store, cfg, d2t)
     acc = accelerator or make_accelerator(cfg, target.info.device)
     optimizer = build_optimizer(drafter, cfg)
@@ -159,18 +163,15 @@ def train_drafter(
     for group in optimizer.param_groups:
         group.setdefault("base_lr", group["lr"])
     objective, optimizer = acc.prepare(Objective(drafter, cfg), optimizer)
-    loader = StoreBatches(
-        train_store,
-        drafter.cfg,
-        cfg.batch_size,
-        cfg.seed,
-        acc.process_index,
-        acc.num_processes,
-        cfg.max_tokens,
-    )
-    evals = eval_set or EvalSet.build(
+    source = OnlineBatches if cfg.data_source == "online" else StoreBatches
+    args = (drafter.cfg, cfg.batch_size, cfg.seed, acc.process_index, acc.num_processes, cfg.max_tokens)
+    loader = source(target, train_store, *args) if cfg.data_source == "online" else source(train_store, *args)
+    build = online_eval_set if cfg.data_source == "online" else EvalSet.build
+    evals = eval_set or build(
         eval_store, drafter.cfg, target, cfg.eval_sequences, cfg.batch_size, cfg.max_tokens
     )
+    stopper = EarlyStopping(cfg.early_stop_patience, cfg.early_stop_metric)
+    stop_reason = ""
     bar = tqdm(
         total=cfg.train_steps,
         initial=start,
@@ -185,23 +186,51 @@ def train_drafter(
         logs["history"].append(row)
         bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc0:.2f}")
         bar.update()
-        last = step == cfg.train_steps - 1
+        out_of_time = _out_of_time(cfg, t_start, acc)
+        last = step == cfg.train_steps - 1 or out_of_time
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last or step == 0):
             drafter.eval()
             ev = evaluate_per_step(drafter, evals, cfg.eval_steps, acc, cfg.eval_branch_fraction)
             ev.update(step=step + 1, seconds=time.perf_counter() - t_start, **gate_summary(drafter))
             logs["eval"].append(ev)
-        if acc.is_main_process and cfg.save_every and (step + 1) % cfg.save_every == 0 and not last:
+            if stopper.update(step + 1, ev, drafter) and not last:
+                last, stop_reason = (
+                    True,
+                    f"no better held-out {cfg.early_stop_metric} in {cfg.early_stop_patience} evaluations",
+                )
+        if out_of_time and not stop_reason:
+            stop_reason = f"max_seconds={cfg.max_seconds} reached"
+        if last:
+            break
+        if acc.is_main_process and cfg.save_every and (step + 1) % cfg.save_every == 0:
             seconds = time.perf_counter() - t_start
             save_train_state(out, drafter, optimizer, step + 1, cfg.as_dict(), {**logs, "_seconds": seconds})
         acc.wait_for_everyone()
     bar.close()
     seconds = time.perf_counter() - t_start
     drafter.eval()
+    stopping = dict(
+        stopped_early=bool(stop_reason), stop_reason=stop_reason, best_step=stopper.best_step or None
+    )
+    if cfg.early_stop_patience and stopper.best_step != logs["eval"][-1]["step"] and stopper.restore(drafter):
+        logs["eval"].append(
+            dict(stopper.best_eval, step=len(logs["history"]), restored_from_step=stopper.best_step)
+        )
     if acc.is_main_process:
-        _save_finished(out, acc.unwrap_model(objective).drafter, cfg, logs, seconds, train_store, eval_store)
+        final = acc.unwrap_model(objective).drafter
+        _save_finished(out, final, cfg, logs, seconds, train_store, eval_store, stopping)
     acc.wait_for_everyone()
     return TrainResult(drafter, out, cfg, logs, seconds)
+
+
+def _out_of_time(cfg: TrainConfig, t_start: float, acc) -> bool:
+    """Whether the wall-clock cap is reached; every process takes the same decision (DDP)."""
+    if cfg.max_seconds is None:
+        return False
+    late = time.perf_counter() - t_start > cfg.max_seconds
+    if acc.num_processes > 1:
+        late = bool(acc.reduce(torch.tensor([float(late)], device=acc.device), "max").item())
+    return late
 
 
 def _new_drafter(target, train_store, eval_store, cfg: TrainConfig, d2t: torch.Tensor | None) -> nn.Module:
@@ -225,12 +254,17 @@ def _new_drafter(target, train_store, eval_store, cfg: TrainConfig, d2t: torch.T
         block_size=cfg.ttt_steps if cfg.paradigm == "block" else 0,
     )
     for store, what in ((train_store, "training"), (eval_store, "held-out")):
+        if cfg.data_source == "online":
+            continue  # the target computes the features itself
         try:
             store.check_compatible(info.name, info.fingerprint, dcfg.hidden_layers, dcfg.kv_layers)
         except ValueError as e:
             raise ValueError(f"The {what} feature store does not fit drafter {cfg.name!r}: {e}") from None
     d2t = build_draft_vocab(train_store, target, dcfg.draft_vocab_size) if d2t is None else d2t
-    return build_drafter(dcfg, target, d2t.cpu(), seed=cfg.seed)
+    drafter = build_drafter(dcfg, target, d2t.cpu(), seed=cfg.seed)
+    if cfg.init_from:
+        drafter.cfg.extra["init_from"] = init_from_checkpoint(drafter, cfg.init_from, target)
+    return drafter
 
 
 def _resume_point(out: Path, cfg: TrainConfig, drafter, optimizer, resume: bool) -> tuple[int, dict, float]:
@@ -295,18 +329,24 @@ def _train_step(
     return row, parts["acc"][0]
 
 
-def _save_finished(out: Path, drafter, cfg: TrainConfig, logs: dict, seconds: float, train_store, eval_store):
+def _save_finished(
+    out: Path, drafter, cfg: TrainConfig, logs: dict, seconds: float, train_store, eval_store, stopping: dict
+):
     """Write the checkpoint (with the training metadata in its config) and the log tables; drop the state."""
     n_tokens = sum(r["tokens"] for r in logs["history"])
     drafter.cfg.extra = dict(
+        drafter.cfg.extra,
         train_config=cfg.as_dict(),
         completed=True,
         train_seconds=seconds,
         train_tokens=n_tokens,
         tokens_per_second=n_tokens / max(seconds, 1e-9),
-        train_store=str(train_store.path),
-        eval_store=str(eval_store.path),
+        steps_trained=len(logs["history"]),
+        train_store=describe_data(train_store),
+        eval_store=describe_data(eval_store),
         final_eval=logs["eval"][-1] if logs["eval"] else {},
+        plateau=plateau(logs["eval"]),
+        **stopping,
     )
     save_drafter(drafter, out)
     _write_logs(out, logs)

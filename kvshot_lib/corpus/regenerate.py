@@ -1,0 +1,271 @@
+"""ShareGPT with the target's own responses: the user turns kept, every assistant turn regenerated greedily.
+
+Drafters learn to predict *the target*, so training on the target's own outputs (as EAGLE and SpecForge do)
+puts the training prefixes where decoding will put them; SpecForge reports about +10% acceptance length.
+
+:func:`regenerate_sharegpt` takes the conversations of a :func:`~kvshot_lib.corpus.tokenize_sharegpt` slice
+(same split, seed, offset: the very same conversations), and for each one, turn by turn, asks the target for
+its greedy answer to the user's turn given the regenerated history, up to ``max_turns`` turns, stopping early
+when the prompt would exceed ``max_len``. Batches of conversations are decoded together with left padding
+(:func:`batched_greedy`, in the target's dtype on its device), longest prompts first.
+
+**The cache** (``<cache>/regenerated/<target>-<hash>/``): ``shard-NNNNN.json`` files of
+``[{"id", "messages"}]`` (plain text, readable, tokenizer-independent) and ``manifest.json`` (the spec, the
+shards done, tokens generated, seconds). Shards are written atomically and the manifest after each one, so an
+interrupted run resumes where it stopped (``tests/test_regenerate.py`` interrupts one). The returned
+:class:`TokenizedSplit` is the regenerated conversations through the chat template with the assistant mask,
+exactly like the original slice, so it trains by feature store or online.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..target import assets
+from .chat import answer_text, chat_prompt_ids, encode_conversation, tokenizer_fingerprint
+from .sharegpt import DEFAULT_EVAL_SIZE, TokenizedSplit, load_sharegpt, tokenize_sharegpt
+
+FORMAT = "kvshot-regenerated/1"
+
+
+def regeneration_dir(target, spec: dict) -> Path:
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    return assets.cache_dir() / "regenerated" / f"{target.info.name.replace('/', '--')}-{key}"
+
+
+@torch.inference_mode()
+def batched_greedy(
+    target, prompts: list[list[int]], max_new_tokens: int, stop: bool = True
+) -> list[list[int]]:
+    """Greedy continuations of several prompts at once, with left padding and one shared cache.
+
+    ``stop=True`` cuts each continuation after its first stop token (and ends when all have stopped);
+    ``stop=False`` decodes ``max_new_tokens`` for every prompt (what the acceptance replay needs). Equals plain
+    greedy decoding of each prompt alone up to float rounding (``tests/test_regenerate.py``)."""
+    from transformers import DynamicCache
+
+    model, stops = target.model, list(target.info.eos_token_ids)
+    dev = next(model.parameters()).device
+    B, T = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p) :], attn[b, T - len(p) :] = torch.tensor(p), 1
+    ids, attn = ids.to(dev), attn.to(dev)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, T] each prompt's own positions
+    cache = DynamicCache(config=model.config)
+    stop_ids = torch.tensor(stops, device=dev)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, logits_to_keep=1)
+    nxt = out.logits[:, -1].argmax(-1)  # [B]
+    tokens, done = [nxt], torch.isin(nxt, stop_ids)
+    pos = pos[:, -1:]
+    for _ in range(max_new_tokens - 1):
+        if stop and bool(done.all()):
+            break
+        attn = torch.cat([attn, attn.new_ones(B, 1)], dim=1)  # [B, T + t]
+        pos = pos + 1  # [B, 1]
+        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache)
+        nxt = out.logits[:, -1].argmax(-1)
+        tokens.append(nxt)
+        done |= torch.isin(nxt, stop_ids)
+    rows = torch.stack(tokens, dim=1).tolist()  # [B, n]
+    if not stop:
+        return rows
+    return [row[: next((i + 1 for i, t in enumerate(row) if t in stops), len(row))] for row in rows]
+
+
+def prompt_turns(messages: list[dict]) -> list[dict]:
+    """What regeneration reads of a conversation: its system message (if any) and its user turns."""
+    head, users = _user_turns(messages)
+    return head + [{"role": "user", "content": u} for u in users]
+
+
+def _user_turns(messages: list[dict]) -> tuple[list[dict], list[str]]:
+    """The leading system message (if any) and the user turns of a normalized conversation."""
+    head = [messages[0]] if messages[0]["role"] == "system" else []
+    return head, [m["content"] for m in messages if m["role"] == "user"]
+
+
+def regenerate_conversations(
+    target,
+    conversations: list[tuple[str, list[dict]]],
+    max_new_tokens: int,
+    max_turns: int,
+    max_len: int,
+    batch_size: int,
+) -> tuple[list[dict], int]:
+    """Regenerate the assistant turns of ``conversations`` (up to ``max_turns``, while the prompt fits ``max_len``);
+    returns the records ``{"id", "messages"}`` and the number of tokens generated."""
+    tok, stops = target.tokenizer, set(target.info.eos_token_ids)
+    state = []
+    for cid, messages in conversations:
+        head, users = _user_turns(messages)
+        state.append(dict(id=cid, messages=list(head), users=users[:max_turns]))
+    generated = 0
+    for turn in range(max_turns):
+        todo = []
+        for s in state:
+            if turn < len(s["users"]) and (turn == 0 or s["messages"][-1]["role"] == "assistant"):
+                prompt = chat_prompt_ids(tok, s["messages"] + [{"role": "user", "content": s["users"][turn]}])
+                if len(prompt) < max_len - 8:  # else no answer would fit the cap: the conversation ends here
+                    todo.append((s, prompt))
+        todo.sort(key=lambda x: -len(x[1]))  # similar lengths together: less padding
+        for a in range(0, len(todo), batch_size):
+            part = todo[a : a + batch_size]
+            for (s, _), ids in zip(part, batched_greedy(target, [p for _, p in part], max_new_tokens)):
+                generated += len(ids)
+                s["messages"].append({"role": "user", "content": s["users"][turn]})
+                s["messages"].append({"role": "assistant", "content": answer_text(tok, ids, stops)})
+    return [dict(id=s["id"], messages=s["messages"]) for s in state], generated
+
+
+def regenerate_sharegpt(
+    target,
+    split: str = "train",
+    n_conversations: int = 100,
+    max_len: int = 1024,
+    seed: int = 0,
+    offset: int = 0,
+    max_new_tokens: int = 256,
+    max_turns: int = 1,
+    batch_size: int = 8,
+    shard_size: int = 64,
+    eval_size: int = DEFAULT_EVAL_SIZE,
+    progress: bool = True,
+    max_seconds: float | None = None,
+    conversations: dict | None = None,
+) -> TokenizedSplit:
+    """The slice ``tokenize_sharegpt(target.tokenizer, split, n_conversations, max_len, seed, offset)`` with every
+    assistant turn regenerated by ``target`` (cached and resumable; see the module docstring).
+
+    ``max_seconds`` stops after the shard that reaches it: the split then holds the conversations regenerated
+    so far (a prefix of the slice; ``counts["not_regenerated"]`` says how many are missing), and a later call
+    goes on from there. ``conversations`` (``{id: messages}``, at least the system and user turns of the slice)
+    replaces reading ShareGPT, for a machine that has only the slice's prompts (the reference run's GPU)."""
+    for k, v in dict(max_new_tokens=max_new_tokens, max_turns=max_turns, batch_size=batch_size).items():
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{k} must be a positive integer, got {v!r}.")
+    original = tokenize_sharegpt(target.tokenizer, split, n_conversations, max_len, seed, offset, eval_size)
+    spec = regeneration_spec(target, original, max_new_tokens, max_turns)
+    out = regeneration_dir(target, spec)
+    manifest = _read_manifest(out, spec)
+    done = {rec["id"] for shard in manifest["shards"] for rec in _read_shard(out / shard["file"])}
+    by_id = None
+    todo = [cid for cid in original.source_ids if cid not in done]
+    bar = tqdm(
+        total=len(original),
+        initial=len(original) - len(todo),
+        desc=f"regenerating ShareGPT {split}",
+        disable=not progress,
+    )
+    t_start = time.perf_counter()
+    for a in range(0, len(todo), shard_size):
+        if by_id is None:
+            by_id = conversations if conversations is not None else dict(load_sharegpt()[0])
+        t0 = time.perf_counter()
+        ids = todo[a : a + shard_size]
+        records, generated = regenerate_conversations(
+            target, [(cid, by_id[cid]) for cid in ids], max_new_tokens, max_turns, max_len, batch_size
+        )
+        name = f"shard-{len(manifest['shards']):05d}.json"
+        (out / (name + ".tmp")).write_text(json.dumps(records, ensure_ascii=False))
+        (out / (name + ".tmp")).rename(out / name)
+        manifest["shards"].append(dict(file=name, conversations=len(records), generated_tokens=generated))
+        manifest["generated_tokens"] += generated
+        manifest["seconds"] += time.perf_counter() - t0
+        _write_manifest(out, manifest)
+        bar.update(len(ids))
+        if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
+            break
+    bar.close()
+    manifest["complete"] = sum(sh["conversations"] for sh in manifest["shards"]) == len(original)
+    _write_manifest(out, manifest)
+    return regenerated_split(target.tokenizer, out, original, spec)
+
+
+def regeneration_spec(target, original: TokenizedSplit, max_new_tokens: int, max_turns: int) -> dict:
+    """What identifies a regeneration of the slice ``original`` (it names the cache folder)."""
+    return dict(
+        original.spec,
+        responses="regenerated",
+        target=target.info.name,
+        target_fingerprint=target.info.fingerprint,
+        max_new_tokens=max_new_tokens,
+        max_turns=max_turns,
+    )
+
+
+def cached_regeneration(
+    target, original: TokenizedSplit, max_new_tokens: int, max_turns: int
+) -> TokenizedSplit | None:
+    """What is already regenerated of ``original`` (a prefix, possibly all of it), without generating; None if nothing."""
+    spec = regeneration_spec(target, original, max_new_tokens, max_turns)
+    folder = regeneration_dir(target, spec)
+    if not (folder / "manifest.json").is_file():
+        return None
+    split = regenerated_split(target.tokenizer, folder, original, spec)
+    return split if len(split) else None
+
+
+def regenerated_split(tokenizer, folder: Path, original: TokenizedSplit, spec: dict) -> TokenizedSplit:
+    """The cached regenerated conversations of ``folder`` in ``original``'s order, through the chat template."""
+    manifest = json.loads((Path(folder) / "manifest.json").read_text())
+    records = {
+        r["id"]: r["messages"] for s in manifest["shards"] for r in _read_shard(Path(folder) / s["file"])
+    }
+    ids, masks, sources, counts = [], [], [], {}
+    for cid in original.source_ids:
+        if cid not in records:  # a partial regeneration: the conversations done so far, in order
+            counts["not_regenerated"] = counts.get("not_regenerated", 0) + 1
+            continue
+        try:
+            tok, mask = encode_conversation(tokenizer, records[cid], spec["max_len"])
+        except ValueError:
+            counts["template_mismatch"] = counts.get("template_mismatch", 0) + 1
+            continue
+        if not any(mask):
+            counts["no_assistant_token_within_cap"] = counts.get("no_assistant_token_within_cap", 0) + 1
+            continue
+        ids.append(torch.tensor(tok, dtype=torch.int64))
+        masks.append(torch.tensor(mask, dtype=torch.bool))
+        sources.append(cid)
+    counts["generated_tokens"] = manifest["generated_tokens"]
+    counts["generation_seconds"] = round(manifest["seconds"], 1)
+    # the number of conversations distinguishes a partial regeneration from a later, longer one (feature stores)
+    spec = dict(
+        spec,
+        tokenizer=tokenizer_fingerprint(tokenizer),
+        regenerated_dir=Path(folder).name,
+        conversations=len(ids),
+    )
+    return TokenizedSplit(ids, masks, sources, spec, counts)
+
+
+def _read_shard(path: Path) -> list[dict]:
+    return json.loads(path.read_text())
+
+
+def _read_manifest(out: Path, spec: dict) -> dict:
+    fresh = dict(format=FORMAT, spec=spec, shards=[], generated_tokens=0, seconds=0.0, complete=False)
+    path = out / "manifest.json"
+    if not path.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        return fresh
+    old = json.loads(path.read_text())
+    if old.get("format") != FORMAT or old.get("spec") != spec:
+        raise ValueError(f"{out} holds a regeneration of something else; delete it to regenerate.")
+    old["shards"] = [s for s in old["shards"] if (out / s["file"]).is_file()]
+    for stale in out.glob("*.tmp"):
+        stale.unlink()
+    return old
+
+
+def _write_manifest(out: Path, manifest: dict) -> None:
+    (out / "manifest.json.tmp").write_text(json.dumps(manifest, indent=1))
+    (out / "manifest.json.tmp").rename(out / "manifest.json")

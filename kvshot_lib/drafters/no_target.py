@@ -1,0 +1,48 @@
+"""The no-target control: the drafter's architecture given no target information at all.
+
+It is a tiny causal language model over the prefix, the floor every context-reusing drafter must beat
+(the KVShot paper's "no target information" row: flat at alpha ~ 0.24 over every draft step).
+
+* Input: the embedding of the current token only (the target's frozen embedding, as every drafter).
+* Layers: plain pre-norm decoder layers (self-attention + SwiGLU MLP) with the hidden drafter's head layout.
+  Their self-attention runs over the drafter's *own* K/V of every context position, computed from the
+  context tokens' embeddings (like the hidden drafter's own context cache, but from tokens, not features),
+  plus the tokens drafted in the current branch. It never reads the target's hidden states or KV cache.
+* Output: the frozen target LM head over the draft vocabulary, after its own final norm.
+* At deeper draft steps the input is the drafted token's embedding; the branch's earlier drafts are seen
+  through attention to their own K/V (nothing is carried in the residual stream).
+
+Its config lists no target layers (``hidden_layers = kv_layers = ()``), so no feature is ever collated
+for it, and ``tests/test_no_target.py`` checks that its outputs, in training and in a decode session, do
+not change when the target's hidden states and K/V are replaced by noise, and that greedy decoding with it
+reproduces plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from .attention import MLP, Attention, RMSNorm
+from .common import TrainableDrafter
+from .config import DrafterConfig
+from .hidden import self_attention
+
+
+class NoTargetLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H = cfg.hidden_size
+        self.input_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = Attention(H, H, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+        self.post_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(H, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, ctx, li: int) -> Tensor:
+        h = x + self_attention(self, self.input_norm(x), cos, sin, ctx, li)  # [B, n, H]
+        return h + self.mlp(self.post_norm(h))
+
+
+class NoTargetDrafter(TrainableDrafter):
+    def __init__(self, cfg: DrafterConfig, target, d2t: Tensor):
+        super().__init__(cfg, target, d2t)
+        self.layers = nn.ModuleList(NoTargetLayer(cfg) for _ in range(cfg.n_layers))

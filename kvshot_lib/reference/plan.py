@@ -1,0 +1,187 @@
+"""The reference run's plan: the ``reference`` section of a profile as validated rows and jobs.
+
+A row is one line of the paper's Table 5 at SmolLM2 scale: a name, the :class:`TrainConfig` parameters that
+differ from the shared ``training`` ones, and three keys of its own:
+
+* ``like: <row>`` starts from another row's parameters (seeds, the original-responses control);
+* ``init_from: <row>`` starts its weights from that row's trained checkpoint (the paper's "from the EAGLE-3
+  checkpoint"); ``kv_mode: best`` takes the profile's ``best_kv_mode``;
+* ``responses: original | regenerated`` overrides the data's responses for this row.
+
+A job is one device command: ``kind: train`` (the default) trains its rows one after the other within the
+job's minutes; ``kind: regenerate`` regenerates ShareGPT responses with the target; ``kind: eval`` measures
+its rows on MT-bench. :func:`load_plan` validates all of it (unknown rows, cycles, bad parameters) before
+anything runs; ``smoke=True`` applies the profile's ``smoke`` overrides (the CPU dry run).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from ..runner import load_profile
+from ..training import TrainConfig, TrainConfigError
+
+ROW_KEYS = ("name", "like", "headline", "responses")
+JOB_KINDS = ("train", "regenerate", "eval")
+RESPONSES = ("regenerated", "original")
+
+
+class PlanError(ValueError):
+    """The profile's reference section is invalid; the message says where and why."""
+
+
+@dataclass
+class Row:
+    name: str
+    params: dict  # TrainConfig parameters (shared training merged with the row's own)
+    headline: bool = False
+    responses: str = "regenerated"
+    init_row: str | None = None  # the row whose checkpoint init_from names
+
+    def train_config(self, **overrides) -> TrainConfig:
+        return TrainConfig.from_params({**self.params, "name": self.name, **overrides})
+
+
+@dataclass
+class Job:
+    name: str
+    kind: str
+    rows: list[str] = field(default_factory=list)
+    minutes: float = 9.0
+
+
+@dataclass
+class Plan:
+    profile: str
+    target: str
+    device: str
+    dtype: str
+    seed: int
+    minutes: float
+    data: dict
+    training: dict
+    rows: dict[str, Row]
+    jobs: dict[str, Job]
+    eval: dict
+    smoke: bool = False
+
+    def job(self, name: str) -> Job:
+        if name not in self.jobs:
+            raise PlanError(f"unknown job {name!r}; the plan's jobs are {list(self.jobs)}.")
+        return self.jobs[name]
+
+    def row(self, name: str) -> Row:
+        if name not in self.rows:
+            raise PlanError(f"unknown row {name!r}; the plan's rows are {list(self.rows)}.")
+        return self.rows[name]
+
+    def headline_rows(self) -> list[str]:
+        return [n for n, r in self.rows.items() if r.headline]
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in (extra or {}).items():
+        out[k] = (
+            _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+        )
+    return out
+
+
+def load_plan(profile: str = "reference", smoke: bool = False) -> Plan:
+    """The validated plan of ``profile``'s ``reference`` section (with its ``smoke`` overrides if asked)."""
+    prof = load_profile(profile)
+    import yaml
+
+    from ..runner import PROFILE_DIR
+
+    path = PROFILE_DIR / f"{profile}.yaml" if (PROFILE_DIR / f"{profile}.yaml").is_file() else profile
+    raw = (yaml.safe_load(open(path)) or {}).get("reference")
+    if not isinstance(raw, dict):
+        raise PlanError(
+            f"profile {prof.name!r} has no 'reference' section (rows and jobs of the reference run)."
+        )
+    params = dict(prof.parameters)
+    if smoke:
+        sm = raw.get("smoke") or {}
+        params.update(sm.get("parameters") or {})
+        raw = _merge(raw, {k: v for k, v in sm.items() if k != "parameters"})
+    training = dict(raw.get("training") or {})
+    training.setdefault("seed", params.get("seed", 0))
+    rows = _rows(
+        raw.get("rows") or [],
+        training,
+        raw.get("best_kv_mode", "concat"),
+        raw["data"].get("responses", "regenerated"),
+    )
+    minutes = float(raw.get("minutes", 9.0))
+    jobs = {}
+    for spec in raw.get("jobs") or []:
+        job = Job(
+            spec["name"],
+            spec.get("kind", "train"),
+            list(spec.get("rows", [])),
+            float(spec.get("minutes", minutes)),
+        )
+        if job.kind not in JOB_KINDS:
+            raise PlanError(f"job {job.name!r}: kind must be one of {JOB_KINDS}, got {job.kind!r}.")
+        missing = [r for r in job.rows if r not in rows]
+        if missing:
+            raise PlanError(f"job {job.name!r} names rows {missing} that the plan does not define.")
+        if job.kind == "train" and not job.rows:
+            raise PlanError(f"job {job.name!r} trains no rows.")
+        if job.name in jobs:
+            raise PlanError(f"job {job.name!r} appears twice.")
+        jobs[job.name] = job
+    return Plan(
+        profile=prof.name,
+        target=params["target"],
+        device=params.get("device", "cuda"),
+        dtype=params.get("dtype", "bfloat16"),
+        seed=int(params.get("seed", 0)),
+        minutes=minutes,
+        data=raw["data"],
+        training=training,
+        rows=rows,
+        jobs=jobs,
+        eval=raw.get("eval") or {},
+        smoke=smoke,
+    )
+
+
+def _rows(specs: list, training: dict, best_kv_mode: str, responses: str) -> dict[str, Row]:
+    rows: dict[str, Row] = {}
+    raw_by_name = {}
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, dict) or "name" not in spec:
+            raise PlanError(f"rows[{i}] must be a mapping with a 'name', got {spec!r}.")
+        if spec["name"] in raw_by_name:
+            raise PlanError(f"row {spec['name']!r} appears twice.")
+        raw_by_name[spec["name"]] = spec
+    for name, spec in raw_by_name.items():
+        own = dict(spec)
+        seen = {name}
+        while "like" in own:  # inherit another row's parameters
+            base = own.pop("like")
+            if base not in raw_by_name or base in seen:
+                raise PlanError(f"row {name!r}: 'like: {base}' names no earlier row (or a cycle).")
+            seen.add(base)
+            own = {**{k: v for k, v in raw_by_name[base].items() if k not in ("name", "headline")}, **own}
+        headline = bool(own.pop("headline", False))
+        resp = own.pop("responses", responses)
+        own.pop("name")
+        if resp not in RESPONSES:
+            raise PlanError(f"row {name!r}: responses must be one of {RESPONSES}, got {resp!r}.")
+        if own.get("kv_mode") == "best":
+            own["kv_mode"] = best_kv_mode
+        init_row = own.pop("init_from", None)
+        if init_row is not None and init_row not in raw_by_name:
+            raise PlanError(f"row {name!r}: init_from names {init_row!r}, which is not a row of the plan.")
+        params = {**training, **own}
+        try:
+            TrainConfig.from_params({**params, "name": name})
+        except TrainConfigError as e:
+            raise PlanError(f"row {name!r}: {e}") from None
+        rows[name] = Row(name, params, headline, resp, init_row)
+    return rows

@@ -1,0 +1,122 @@
+"""When to stop training, and whether it had converged: early stopping on held-out acceptance, the plateau.
+
+* :func:`heldout_acceptance` turns a held-out evaluation (per-step accuracies ``acc_k`` with the ground-truth
+  prefix, a proxy for the conditional acceptance alpha_k) into the expected accepted tokens per cycle of a
+  chain as deep as the evaluation, ``1 + sum_k prod_{j<=k} acc_j`` (the MAT formula of the paper's Table 5).
+* :class:`EarlyStopping` stops after ``patience`` evaluations without a better acceptance and remembers the
+  best state: acceptance, not loss, decides (DeepSpec saw acceptance peak while the loss kept falling).
+* :func:`plateau` says whether the last ``fraction`` of training moved held-out ``acc_0`` by under ``tol``
+  (the reference run's convergence criterion: the last 20% moves it by under 1 point).
+* :func:`run_summary` is the per-row report: tokens seen, wall time, final accuracies, plateau, stopping.
+
+``tests/test_reference.py`` checks these on hand-made evaluation logs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def heldout_acceptance(ev: dict, metric: str = "mat") -> float:
+    """``acc_0``, or ``1 + sum_k prod_{j<=k} acc_j`` over the evaluated steps (``metric="mat"``)."""
+    if metric == "acc_0":
+        return float(ev["acc_0"])
+    steps = sorted(int(k[4:]) for k in ev if k.startswith("acc_") and k[4:].isdigit())
+    total, reach = 1.0, 1.0
+    for k in steps:
+        reach *= float(ev[f"acc_{k}"])
+        total += reach
+    return total
+
+
+class EarlyStopping:
+    """Tracks the best held-out acceptance; ``update`` returns True when ``patience`` evaluations in a row did
+    not improve on it (by more than ``min_delta``). ``best_state`` is a CPU copy of the best parameters."""
+
+    def __init__(self, patience: int, metric: str = "mat", min_delta: float = 0.0):
+        self.patience, self.metric, self.min_delta = patience, metric, min_delta
+        self.best_value = float("-inf")
+        self.best_step = 0
+        self.best_state: dict | None = None
+        self.best_eval: dict = {}
+        self.bad_evals = 0
+
+    def update(self, step: int, ev: dict, drafter=None) -> bool:
+        value = heldout_acceptance(ev, self.metric)
+        if value > self.best_value + self.min_delta:
+            self.best_value, self.best_step, self.bad_evals, self.best_eval = value, step, 0, dict(ev)
+            if drafter is not None and self.patience:
+                self.best_state = {
+                    k: v.detach().to("cpu", copy=True) for k, v in drafter.state_dict().items()
+                }
+            return False
+        self.bad_evals += 1
+        return bool(self.patience) and self.bad_evals >= self.patience
+
+    def restore(self, drafter) -> bool:
+        """Load the best state into ``drafter`` (True if there was one to load)."""
+        if self.best_state is None:
+            return False
+        device = next(iter(drafter.state_dict().values())).device
+        with torch.no_grad():
+            drafter.load_state_dict({k: v.to(device) for k, v in self.best_state.items()}, strict=True)
+        return True
+
+
+def plateau(evals: list[dict], fraction: float = 0.2, tol: float = 0.01, metric: str = "acc_0") -> dict:
+    """How much held-out ``metric`` moved over the last ``fraction`` of the steps trained.
+
+    Compares the last evaluation with the latest one at or before ``(1 - fraction)`` of the last step.
+    ``plateaued`` is None when no evaluation lies that early (too few evaluations to tell)."""
+    rows = [r for r in evals if metric in r and r.get("step") is not None and not _restored(r)]
+    rows = sorted(rows, key=lambda r: r["step"])
+    if not rows:
+        return dict(plateau_delta=None, plateaued=None, plateau_from_step=None, plateau_to_step=None)
+    last = rows[-1]
+    cut = (1 - fraction) * last["step"]
+    early = [r for r in rows[:-1] if r["step"] <= cut]
+    if not early:
+        return dict(plateau_delta=None, plateaued=None, plateau_from_step=None, plateau_to_step=last["step"])
+    delta = float(last[metric]) - float(early[-1][metric])
+    return dict(
+        plateau_delta=delta,
+        plateaued=abs(delta) < tol,
+        plateau_from_step=early[-1]["step"],
+        plateau_to_step=last["step"],
+    )
+
+
+def _restored(row: dict) -> bool:
+    """A row the loop appended after restoring the best state (a copy of an earlier evaluation)."""
+    v = row.get("restored_from_step")
+    return v is not None and v == v  # not None, not NaN (CSV round trip)
+
+
+def run_summary(result) -> dict:
+    """One row per finished run: what it saw, how long it took, where it ended and whether it had converged."""
+    cfg, logs = result.config, result.logs
+    history, evals = logs.get("history", []), logs.get("eval", [])
+    final = result.final_eval()
+    extra = getattr(getattr(result.drafter, "cfg", None), "extra", {}) or {}
+    row = dict(
+        drafter=cfg.name,
+        paradigm=cfg.paradigm,
+        regime=cfg.regime,
+        n_layers=cfg.n_layers,
+        kv_mode=cfg.kv_mode,
+        seed=cfg.seed,
+        data_source=cfg.data_source,
+        init_from=cfg.init_from or "",
+        steps_trained=len(history),
+        train_steps=cfg.train_steps,
+        train_tokens=sum(h["tokens"] for h in history),
+        seconds=round(result.train_seconds, 1),
+        tokens_per_s=round(sum(h["tokens"] for h in history) / max(result.train_seconds, 1e-9), 1),
+        best_step=extra.get("best_step"),
+        stopped_early=bool(extra.get("stopped_early", False)),
+        stop_reason=extra.get("stop_reason", ""),
+        heldout_mat=heldout_acceptance(final) if final else None,
+    )
+    row.update({k: final[k] for k in sorted(final) if k.startswith("acc_") or k == "ceiling"})
+    row.update(plateau(evals))
+    return row

@@ -1,0 +1,187 @@
+"""The reference run's training path, on tiny targets and the CPU.
+
+* Online training (the target inside the loop) gives the losses and held-out accuracies of training from a
+  float32 feature store of the same split, step by step, to float tolerance.
+* Early stopping on held-out acceptance, the plateau measure and ``init_from``.
+"""
+
+import pytest
+import torch
+
+from kvshot_lib.corpus import extract_features, tokenize_sharegpt
+from kvshot_lib.drafters import build_drafter, count_tokens, drafter_config_for, load_drafter
+from kvshot_lib.target import load_target
+from kvshot_lib.training import (
+    EarlyStopping,
+    OnlineBatches,
+    StoreBatches,
+    TrainConfig,
+    TrainConfigError,
+    build_draft_vocab,
+    heldout_acceptance,
+    plateau,
+    train_drafter,
+)
+
+SHARED = dict(
+    regime="ttt",
+    ttt_steps=3,
+    train_steps=4,
+    batch_size=2,
+    max_tokens=96,  # crops the 128-token conversations (every cropped one keeps assistant tokens)
+    draft_vocab_size=256,
+    eval_every=2,
+    eval_sequences=2,
+    probe_every=0,
+    lr=3e-3,
+    warmup_steps=1,
+)
+
+
+@pytest.fixture(scope="module")
+def peaky():
+    """A tiny target with sharp next-token distributions, so that the soft labels matter (as in test_training)."""
+    t = load_target("tiny-llama", device="cpu", seed=0)
+    with torch.no_grad():
+        t.model.lm_head.weight.mul_(4.0)  # tied with the embedding: x40 makes every drafter copy its input
+    return t
+
+
+@pytest.fixture(scope="module")
+def splits(tokenizer):
+    return tokenize_sharegpt(tokenizer, "train", 5, 128, seed=0), tokenize_sharegpt(
+        tokenizer, "eval", 2, 128, seed=0
+    )
+
+
+@pytest.fixture(scope="module")
+def stores(peaky, splits, tmp_path_factory):
+    root = tmp_path_factory.mktemp("f32")
+    train, held = splits
+    return (
+        extract_features(peaky, train, out_dir=root / "train", dtype="float32"),
+        extract_features(peaky, held, out_dir=root / "eval", dtype="float32"),
+    )
+
+
+def test_online_batches_equal_store_batches(peaky, splits, stores):
+    cfg = drafter_config_for(peaky, "hybrid", draft_vocab_size=256)
+    online = OnlineBatches(peaky, splits[0], cfg, batch_size=2, seed=3, max_tokens=96)
+    store = StoreBatches(stores[0], cfg, batch_size=2, seed=3, max_tokens=96)
+    for step in (0, 1, 4):  # step 4 is in the second epoch
+        assert online.items(step) == store.items(step)
+        a, b = online.batch(step), store.batch(step)
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.loss_mask, b.loss_mask)
+        assert torch.equal(a.lengths, b.lengths)
+        for name in ("final_hidden", "hidden", "keys", "values"):
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("paradigm", ["hybrid", "kv"])
+def test_online_training_has_the_store_losses(peaky, splits, stores, tmp_path, paradigm):
+    assert torch.equal(count_tokens(splits[0], 49152), count_tokens(stores[0], 49152))
+    d2t = build_draft_vocab(splits[0], peaky, 256)
+    assert torch.equal(d2t, build_draft_vocab(stores[0], peaky, 256))
+    runs = {}
+    for source, (train, held) in (("store", stores), ("online", splits)):
+        cfg = TrainConfig(paradigm=paradigm, data_source=source, **SHARED)
+        runs[source] = train_drafter(peaky, train, held, cfg, tmp_path / source, d2t=d2t, progress=False)
+    a, b = runs["store"].logs, runs["online"].logs
+    assert [r["tokens"] for r in a["history"]] == [r["tokens"] for r in b["history"]]
+    assert all(r["loss"] > 0.1 for r in a["history"])  # every step has assistant tokens to learn
+    for ra, rb in zip(a["history"], b["history"]):
+        for key in ("loss", "ce_0", "ce_2"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-5), (ra["step"], key)
+    for ea, eb in zip(a["eval"], b["eval"]):
+        for key in ("acc_0", "acc_2", "ce_0", "ceiling"):
+            assert eb[key] == pytest.approx(ea[key], rel=1e-4, abs=1e-5), (ea["step"], key)
+    assert "online" in load_drafter(tmp_path / "online", peaky).cfg.extra["train_store"]
+
+
+def test_wrong_data_kind_is_refused_before_training(peaky, splits, stores, tmp_path):
+    with pytest.raises(TypeError, match="TokenizedSplit"):
+        train_drafter(
+            peaky, *stores, TrainConfig(paradigm="hidden", data_source="online", **SHARED), tmp_path
+        )
+    with pytest.raises(TypeError, match="FeatureStore"):
+        train_drafter(peaky, *splits, TrainConfig(paradigm="hidden", **SHARED), tmp_path)
+    with pytest.raises(TrainConfigError, match="data_source"):
+        TrainConfig.from_params(dict(paradigm="hidden", regime="ttt", data_source="disk"))
+    with pytest.raises(TrainConfigError, match="target_kv"):
+        TrainConfig.from_params(dict(paradigm="none", regime="ttt", target_kv="zeroed"))
+
+
+def evals(*acc0, acc1=0.5):
+    return [dict(step=10 * (i + 1), acc_0=a, acc_1=acc1) for i, a in enumerate(acc0)]
+
+
+def test_heldout_acceptance_is_the_mat_formula():
+    ev = dict(acc_0=0.5, acc_1=0.4, acc_2=0.25, ce_0=1.0, n_0=3)
+    assert heldout_acceptance(ev) == pytest.approx(1 + 0.5 + 0.5 * 0.4 + 0.5 * 0.4 * 0.25)
+    assert heldout_acceptance(ev, "acc_0") == 0.5
+
+
+def test_early_stopping_counts_evaluations_without_gain():
+    stop = EarlyStopping(patience=2, metric="acc_0")
+    decisions = [stop.update(r["step"], r) for r in evals(0.2, 0.3, 0.29, 0.31, 0.30, 0.30)]
+    assert decisions == [False, False, False, False, False, True]
+    assert stop.best_step == 40 and stop.best_value == 0.31
+    off = EarlyStopping(patience=0)
+    assert not any(off.update(r["step"], r) for r in evals(0.5, 0.4, 0.3, 0.2))
+
+
+def test_plateau_compares_the_last_fifth():
+    moving = plateau(evals(0.1, 0.2, 0.3, 0.4, 0.5))  # steps 10..50: 80% of 50 is 40 -> 0.4 vs 0.5
+    assert moving["plateau_from_step"] == 40 and moving["plateau_delta"] == pytest.approx(0.1)
+    assert moving["plateaued"] is False
+    flat = plateau(evals(0.1, 0.3, 0.40, 0.405, 0.409))
+    assert flat["plateaued"] is True and flat["plateau_delta"] == pytest.approx(0.004)
+    assert plateau(evals(0.3))["plateaued"] is None  # one evaluation cannot tell
+
+
+def test_early_stopping_restores_the_best_drafter(tiny_llama, splits, tmp_path):
+    cfg = TrainConfig(
+        paradigm="hidden",
+        data_source="online",
+        **dict(SHARED, train_steps=12, eval_every=1, lr=0.5, early_stop_patience=2),  # lr 0.5 diverges
+    )
+    result = train_drafter(tiny_llama, *splits, cfg, tmp_path / "es", progress=False)
+    extra = result.drafter.cfg.extra
+    raw = [e for e in result.logs["eval"] if "restored_from_step" not in e]
+    best = max(raw, key=heldout_acceptance)
+    assert extra["best_step"] == best["step"]
+    if extra["stopped_early"]:
+        assert len(result.logs["history"]) < 12 and "no better" in extra["stop_reason"]
+    # the saved drafter is the best one: evaluated again, it has the best evaluation's accuracy
+    assert result.final_eval()["acc_0"] == best["acc_0"]
+
+
+def test_init_from_copies_the_shared_parameters(tiny_llama, splits, tmp_path):
+    d2t = build_draft_vocab(splits[0], tiny_llama, 256)
+    hidden = train_drafter(
+        tiny_llama,
+        *splits,
+        TrainConfig(paradigm="hidden", data_source="online", **SHARED),
+        tmp_path / "h",
+        d2t=d2t,
+    )
+    cfg = TrainConfig(
+        paradigm="hybrid", data_source="online", init_from=str(tmp_path / "h"), **dict(SHARED, train_steps=1)
+    )
+    fresh = build_drafter(
+        drafter_config_for(tiny_llama, "hybrid", draft_vocab_size=256), tiny_llama, d2t, seed=0
+    )
+    from kvshot_lib.training.loop import _new_drafter
+
+    started = _new_drafter(tiny_llama, *splits, cfg, d2t)
+    info = started.cfg.extra["init_from"]
+    src = hidden.drafter.state_dict()
+    for name in info["copied"]:
+        assert torch.equal(started.state_dict()[name], src[name]), name
+    assert "fc.weight" in info["copied"] and "layers.0.self_attn.q_proj.weight" in info["copied"]
+    assert any("cross_attn" in n for n in info["kept"]) and any("gate" in n for n in info["kept"])
+    for name in info["kept"]:  # the hybrid-only parameters keep the fresh initialization
+        assert torch.equal(started.state_dict()[name], fresh.state_dict()[name]), name
+    wrong = torch.arange(256) * 7  # another draft vocabulary of the same size
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        _new_drafter(tiny_llama, *splits, cfg, wrong)

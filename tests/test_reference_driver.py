@@ -1,0 +1,251 @@
+"""The reference run's driver on the CPU: the plan, what a job brings back, the checkpoints, the merge.
+
+* Reference checkpoints (bf16, trainable weights only) load on the CPU with their target and refuse another
+  one (another architecture, or the same architecture with other weights); split files reassemble exactly.
+* ``run_job.py job`` refuses bad arguments before any long work (no target is loaded).
+* What a job writes is checked against the device's limits; the merge replaces a rerun row and draws the figures.
+"""
+
+import json
+import subprocess
+import sys
+import tarfile
+
+import pandas as pd
+import pytest
+import torch
+
+from kvshot_lib.drafters import DrafterTargetMismatch, build_drafter, drafter_config_for, load_drafter
+from kvshot_lib.evaluation import AcceptanceRun, acceptance_summary, bootstrap_acceptance
+from kvshot_lib.reference import merge, outputs
+from kvshot_lib.reference.plan import PlanError, load_plan
+from kvshot_lib.target import REPO_ROOT, load_target
+
+RUN_JOB = REPO_ROOT / "scripts" / "reference" / "run_job.py"
+
+
+def trained_like(target, paradigm="hidden"):
+    cfg = drafter_config_for(target, paradigm, draft_vocab_size=512, name=f"{paradigm}-ttt", regime="ttt")
+    d = build_drafter(cfg, target, torch.arange(512) * 5, seed=0)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return d
+
+
+def test_reference_checkpoint_is_bf16_trainable_only_and_loads_on_cpu(tiny_llama, tmp_path):
+    d = trained_like(tiny_llama, "hybrid")
+    (path,) = outputs.export_checkpoint(d, tmp_path, "hybrid-ttt")
+    folder = outputs.import_checkpoint([path], tmp_path / "ckpt")
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        dtypes = {k: f.get_tensor(k).dtype for k in names}
+    trainable = {n for n, p in d.named_parameters() if p.requires_grad}
+    assert names == trainable | {"d2t", "target_probe"}  # no frozen embedding, no LM head
+    assert all(dtypes[n] == torch.bfloat16 for n in trainable)
+    assert dtypes["d2t"] == torch.int64 and dtypes["target_probe"] == torch.float32
+    back = load_drafter(folder, tiny_llama)
+    assert back.head.device.type == "cpu"
+    for n, p in d.state_dict().items():
+        if n in trainable:
+            assert torch.equal(back.state_dict()[n], p.to(torch.bfloat16).float()), n
+    with pytest.raises(DrafterTargetMismatch, match="trained for target"):
+        load_drafter(folder, load_target("tiny-qwen3", device="cpu"))  # another architecture
+    with pytest.raises(DrafterTargetMismatch, match="different embedding weights"):
+        load_drafter(
+            folder, load_target("tiny-llama", device="cpu", seed=1)
+        )  # same architecture, other weights
+
+
+def test_a_checkpoint_over_the_file_limit_is_split_and_reassembled(tiny_llama, tmp_path, monkeypatch):
+    d = trained_like(tiny_llama, "kv")
+    (whole,) = (
+        outputs.export_checkpoint(d, tmp_path / "one", "kv-ttt") if (tmp_path / "one").mkdir() is None else ()
+    )
+    monkeypatch.setattr(outputs, "MAX_FILE", outputs.MiB + 60_000)  # ~60 KB per part after the 1 MiB margin
+    parts = outputs.export_checkpoint(d, tmp_path, "kv-ttt")
+    assert len(parts) > 1 and all(p.stat().st_size < outputs.MiB + 60_000 for p in parts)
+    a = load_drafter(outputs.import_checkpoint(parts, tmp_path / "a"), tiny_llama)
+    b = load_drafter(outputs.import_checkpoint([whole], tmp_path / "b"), tiny_llama)
+    for (n, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), n
+
+
+def test_output_limits_are_checked(tmp_path):
+    job = tmp_path / "j01"
+    job.mkdir()
+    for i in range(8):
+        (job / f"f{i}.csv").write_text("x\n")
+    assert outputs.check_limits(tmp_path) == []
+    (job / "f8.csv").write_text("x\n")
+    with pytest.raises(outputs.OutputLimitError, match="9 files"):
+        outputs.check_limits(tmp_path)
+    (job / "f8.csv").unlink()
+    (job / "deep" / "er").mkdir(parents=True)
+    (job / "deep" / "er" / "x.csv").write_text("x")
+    with pytest.raises(outputs.OutputLimitError, match="two folders down"):
+        outputs.check_limits(tmp_path)
+
+
+def test_plan_rows_follow_the_issue_and_resolve_like_and_best(tmp_path):
+    plan = load_plan("reference")
+    assert list(plan.rows)[:4] == ["none-ttt", "hidden-ttt", "kv2-ttt", "hybrid-ttt"]  # the issue's order
+    assert plan.headline_rows() == ["none-ttt", "hidden-ttt", "kv2-ttt", "hybrid-ttt"]
+    seeds = [r for r in plan.rows if r.endswith(("-s1", "-s2"))]
+    assert (
+        len(seeds) == 8
+        and plan.rows["kv2-ttt-s2"].params["kv_mode"] == plan.rows["kv2-ttt"].params["kv_mode"]
+    )
+    assert plan.rows["hybrid-from-hidden-ttt"].init_row == "hidden-ttt"
+    assert all(r.params["data_source"] == "online" for r in plan.rows.values())
+    assert {r for j in plan.jobs.values() for r in j.rows} == set(plan.rows)  # every row has a job
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "parameters: {target: tiny-llama}\nreference:\n  data: {responses: original}\n  training: {}\n"
+        "  rows: [{name: a, paradigm: hidden, regime: ttt}]\n  jobs: [{name: j, rows: [a, b]}]\n"
+    )
+    with pytest.raises(PlanError, match=r"rows \['b'\]"):
+        load_plan(str(bad))
+    bad.write_text(bad.read_text().replace("rows: [a, b]", "rows: [a]").replace("regime: ttt", "regime: tt"))
+    with pytest.raises(PlanError, match="regime"):
+        load_plan(str(bad))
+
+
+def run_job(*args, env=None):
+    return subprocess.run(
+        [sys.executable, str(RUN_JOB), *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["job", "j99", "--out", "/tmp"], "unknown job 'j99'"),
+        (["job", "j01", "--rows", "nope", "--out", "/tmp"], "unknown row 'nope'"),
+        (["job", "j01", "--minutes", "12", "--out", "/tmp"], "minutes must be in"),
+        (["job", "j01", "--device", "cpu"], "no output folder"),
+        (["job", "j01", "--device", "cuda", "--out", "/tmp"], "CUDA is not available"),
+        (["job", "j01", "--device", "cpu", "--out", "/tmp"], "not staged"),
+        (["stage", "runs/reference-payload/part-x.bin"], "no payload part"),
+    ],
+)
+def test_job_command_refuses_bad_arguments_before_long_work(args, match, tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT",)}
+    env["KVSHOT_CACHE"] = str(tmp_path)  # a bare machine: nothing staged
+    done = run_job(*args, env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert match in done.stderr
+    assert "environment" not in done.stdout  # no job started: nothing was loaded or written
+
+
+def fake_job(root, job, rows, started, acc0):
+    """A job output folder as a train job writes it (tables only)."""
+    scratch = root / f"scratch-{job}"
+    for d, a in zip(rows, acc0):
+        (scratch / "rows" / d).mkdir(parents=True)
+        pd.DataFrame([dict(step=s, loss=5.0 - s, acc_0=a * s / 3, tokens=100) for s in (1, 2, 3)]).to_csv(
+            scratch / "rows" / d / "history.csv", index=False
+        )
+        evals = [
+            dict(step=s, **{f"acc_{k}": a * s / 3 * 0.9**k for k in range(7)}, n_0=50, ce_0=1.0)
+            for s in (1, 2, 3)
+        ]
+        pd.DataFrame(evals).to_csv(scratch / "rows" / d / "eval.csv", index=False)
+    summary = [
+        dict(drafter=d, paradigm=d.split("-")[0], regime="ttt", train_tokens=300, seconds=1.0, acc_0=a)
+        for d, a in zip(rows, acc0)
+    ]
+    pd.DataFrame(summary).to_csv(scratch / "summary.csv", index=False)
+    (scratch / "environment.json").write_text(
+        json.dumps(dict(job=job, kind="train", rows=rows, started=started, gpu="test"))
+    )
+    out = root / "returned" / job
+    out.mkdir(parents=True)
+    with tarfile.open(out / outputs.TABLES, "w:gz") as t:
+        for f in scratch.rglob("*"):
+            if f.is_file():
+                t.add(str(f), arcname=str(f.relative_to(scratch)))
+    return out
+
+
+def test_merge_replaces_rerun_rows_and_draws_the_figures(tmp_path):
+    plan = load_plan("reference", smoke=True)
+    fake_job(tmp_path, "j01", ["none-ttt", "hidden-ttt"], "2026-01-01 10:00:00", [0.2, 0.5])
+    merge.merge(plan, [tmp_path / "returned"], root=tmp_path / "repo")
+    fake_job(tmp_path, "j02", ["hidden-ttt"], "2026-01-02 10:00:00", [0.6])  # a rerun of hidden-ttt
+    rec = merge.merge(plan, [tmp_path / "returned" / "j02"], root=tmp_path / "repo")
+    data = tmp_path / "repo" / "figures" / "reference" / "data"
+    rows = pd.read_csv(data / "reference_rows.csv").set_index("drafter")
+    assert sorted(rows.index) == ["hidden-ttt", "none-ttt"] and rows.loc["hidden-ttt", "acc_0"] == 0.6
+    per_step = pd.read_csv(data / "per_step_accuracy.csv")
+    assert per_step[per_step.drafter == "hidden-ttt"].set_index("draft_step").loc[
+        0, "accuracy"
+    ] == pytest.approx(0.6)
+    assert len(pd.read_csv(data / "training_history.csv").query("drafter == 'hidden-ttt'")) == 3  # not 6
+    assert set(rec["figures"]) == {"02_per_step_accuracy", "02_training_curves", "02_heldout_over_training"}
+    table = pd.read_csv(data / "reference_table.csv").set_index("drafter")
+    assert table.loc["hidden-ttt", "heldout_mat"] == pytest.approx(
+        1 + sum(0.6 ** (k + 1) * 0.9 ** (k * (k + 1) / 2) for k in range(7))
+    )
+    figs = tmp_path / "repo" / "figures" / "reference"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvshot_lib.cli", "figures", "--profile", str(figs), "--out", str(tmp_path / "again")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for png in figs.glob("*.png"):
+        assert (tmp_path / "again" / png.name).read_bytes() == png.read_bytes()
+
+
+class FakeResult:
+    def __init__(self, attempts, accepts, per_cycle, n_tokens=10):
+        self.step_attempts, self.step_accepts, self.accepted_per_cycle = attempts, accepts, per_cycle
+        self.token_ids, self.draft_s = [0] * n_tokens, 0.0
+
+
+def test_bootstrap_point_values_match_the_summary_and_lie_in_the_interval():
+    g = torch.Generator().manual_seed(0)
+    results = []
+    for _ in range(30):
+        att = [30, 25, 20, 16, 12, 9, 7]
+        acc = [int(torch.randint(a // 3, a + 1, (1,), generator=g)) for a in att]
+        results.append(FakeResult(att, acc, torch.randint(0, 5, (30,), generator=g).tolist()))
+    run = AcceptanceRun("d", "hidden", "ttt", "chain", 0.0, results)
+    boot = bootstrap_acceptance([run], n_boot=200).set_index("metric")
+    summary = acceptance_summary([run]).iloc[0]
+    assert boot.loc["mat", "value"] == pytest.approx(summary["mat"])
+    assert boot.loc["alpha_0", "value"] == pytest.approx(summary["alpha_0"])
+    assert boot.loc["retention", "value"] == pytest.approx(summary["retention"])
+    for m in ("alpha_0", "alpha_6", "mat", "retention"):
+        assert boot.loc[m, "lo"] <= boot.loc[m, "value"] <= boot.loc[m, "hi"]
+        assert boot.loc[m, "lo"] < boot.loc[m, "hi"]
+
+
+def test_regeneration_archives_split_under_the_limit_and_reinstall(tmp_path):
+    folder = tmp_path / "cache" / "regenerated" / "smollm2-135m-abc"
+    folder.mkdir(parents=True)
+    shards = []
+    for i in range(3):
+        recs = [dict(id=f"c{i}-{j}", messages=[{"role": "user", "content": "x" * 400}]) for j in range(2)]
+        (folder / f"shard-{i:05d}.json").write_text(json.dumps(recs))
+        shards.append(dict(file=f"shard-{i:05d}.json", conversations=2, generated_tokens=10))
+    (folder / "manifest.json").write_text(json.dumps(dict(shards=shards)))
+    out = tmp_path / "out" / "regen"
+    out.mkdir(parents=True)
+    parts = outputs.add_regenerated(out, folder, raw_budget=1000)
+    assert [p.name for p in parts] == [f"regenerated-smollm2-135m-abc.part{k}of3.tar.gz" for k in (1, 2, 3)]
+    merged = merge._keep_regenerated(out, tmp_path / "repo", "reference")
+    assert len(merged) == 3
+    fresh = tmp_path / "fresh"
+    assert merge.install_regenerated(tmp_path / "repo" / "data" / "reference" / "regenerated", fresh) == [
+        folder.name
+    ]
+    for f in folder.iterdir():
+        assert (fresh / "regenerated" / folder.name / f.name).read_bytes() == f.read_bytes()
+    assert (
+        merge.install_regenerated(tmp_path / "repo" / "data" / "reference" / "regenerated", fresh) == []
+    )  # up to date

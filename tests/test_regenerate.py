@@ -1,0 +1,112 @@
+"""Regenerated responses: batched greedy decoding, the cache, resuming, and what the split holds (tiny models)."""
+
+import json
+
+import pytest
+import torch
+
+from kvshot_lib.corpus import (
+    batched_greedy,
+    chat_prompt_ids,
+    regenerate,
+    regenerate_sharegpt,
+    tokenize_sharegpt,
+)
+from kvshot_lib.decoding import DecodeConfig, autoregressive_generate
+
+
+def test_batched_greedy_equals_plain_greedy(llama):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 3000, (n,), generator=g).tolist() for n in (3, 17, 9, 30)]
+    plain = [
+        autoregressive_generate(
+            llama, p, DecodeConfig(mode="ar", max_new_tokens=12, stop_token_ids=())
+        ).token_ids
+        for p in prompts
+    ]
+    assert batched_greedy(llama, prompts, 12, stop=False) == plain
+    stop = plain[1][4]  # a token that prompt 1's continuation reaches at its 5th step
+    llama_stops = llama.info.eos_token_ids
+    try:
+        object.__setattr__(llama.info, "eos_token_ids", (stop,))
+        cut = batched_greedy(llama, prompts, 12)
+    finally:
+        object.__setattr__(llama.info, "eos_token_ids", llama_stops)
+    for got, ref in zip(cut, plain):
+        end = ref.index(stop) + 1 if stop in ref else len(ref)
+        assert got == ref[:end]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSHOT_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_regeneration_keeps_user_turns_and_answers_greedily(tiny_llama, cache):
+    split = regenerate_sharegpt(
+        tiny_llama, "eval", 3, 256, max_new_tokens=6, max_turns=2, batch_size=2, progress=False
+    )
+    original = tokenize_sharegpt(tiny_llama.tokenizer, "eval", 3, 256)
+    assert split.source_ids == original.source_ids and split.spec["responses"] == "regenerated"
+    (folder,) = (cache / "regenerated").iterdir()
+    records = [r for f in sorted(folder.glob("shard-*.json")) for r in json.loads(f.read_text())]
+    stops = set(tiny_llama.info.eos_token_ids)
+    for rec in records:
+        msgs = rec["messages"]
+        assert [m["role"] for m in msgs if m["role"] != "system"][:2] == ["user", "assistant"]
+        first_user = next(i for i, m in enumerate(msgs) if m["role"] == "user")
+        prompt = chat_prompt_ids(tiny_llama.tokenizer, msgs[: first_user + 1])
+        ref = autoregressive_generate(
+            tiny_llama, prompt, DecodeConfig(mode="ar", max_new_tokens=6, stop_token_ids=())
+        )
+        ids = ref.token_ids
+        cut = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+        assert msgs[first_user + 1]["content"] == tiny_llama.tokenizer.decode(
+            ids[:cut], skip_special_tokens=True
+        )
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["generated_tokens"] > 0
+
+
+def test_regeneration_resumes_after_an_interruption(tiny_llama, cache, monkeypatch):
+    kw = dict(max_new_tokens=4, max_turns=1, batch_size=2, shard_size=2, progress=False)
+    real = regenerate.regenerate_conversations
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(regenerate, "regenerate_conversations", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate_sharegpt(tiny_llama, "eval", 5, 256, **kw)
+    (folder,) = (cache / "regenerated").iterdir()
+    first = (folder / "shard-00000.json").read_bytes()
+    assert not (folder / "shard-00001.json").exists()
+    monkeypatch.setattr(regenerate, "regenerate_conversations", real)
+    resumed = regenerate_sharegpt(tiny_llama, "eval", 5, 256, **kw)
+    assert (folder / "shard-00000.json").read_bytes() == first  # finished shards are kept, not redone
+    assert len(json.loads((folder / "manifest.json").read_text())["shards"]) == 3
+    monkeypatch.setenv("KVSHOT_CACHE", str(cache / "fresh"))
+    whole = regenerate_sharegpt(tiny_llama, "eval", 5, 256, **kw)
+    assert [x.tolist() for x in resumed.ids] == [x.tolist() for x in whole.ids]
+
+
+def test_partial_regeneration_is_a_prefix(tiny_llama, cache):
+    split = regenerate_sharegpt(
+        tiny_llama,
+        "eval",
+        4,
+        256,
+        max_new_tokens=4,
+        batch_size=2,
+        shard_size=2,
+        max_seconds=0.0,
+        progress=False,
+    )
+    original = tokenize_sharegpt(tiny_llama.tokenizer, "eval", 4, 256)
+    assert split.counts["not_regenerated"] == 2  # one shard of two, then the cap
+    assert split.source_ids == original.source_ids[:2]
