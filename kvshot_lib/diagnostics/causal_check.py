@@ -74,7 +74,9 @@ def mixing_hook(queries: dict[int, torch.Tensor], subs: dict, lam: float):
         if lam == 0:
             return q
         out = q.clone()
-        pos = positions.cpu().clamp(max=next(iter(queries.values())).shape[1] - 1)  # training pads past the end
+        pos = positions.cpu().clamp(
+            max=next(iter(queries.values())).shape[1] - 1
+        )  # training pads past the end
         for a in range(q.shape[1]):
             layer, head = subs[(li, a)]
             q_star = queries[layer][head][pos].to(q.device, q.dtype)  # [n, D]

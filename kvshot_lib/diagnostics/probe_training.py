@@ -280,8 +280,8 @@ class ProbeConfig:
     control_kinds: tuple[str, ...] = ("h", "kv_h")
     seeds: tuple[int, ...] = (0, 1, 2)
     epochs: int = 2
-    lr: float = 1e-3
-    docs_per_batch: int = 4
+    lr: float = 3e-3
+    docs_per_batch: int = 1
     data_seed: int = 0
 
     def validate(self) -> ProbeConfig:
