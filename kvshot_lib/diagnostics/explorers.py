@@ -172,7 +172,9 @@ class AttentionExplorer(_Explorer):
         cols = [0, *range(lo, p + 1)]
         x = np.arange(len(cols))
         fig, axes = plt.subplots(2, 1, figsize=(7.0, 3.6), sharex=True)
-        kv = self.color(s["drafter"], "kv") if self.color else "C3"
+        rows = self.positions[self.positions["drafter"] == s["drafter"]]
+        paradigm = rows["paradigm"].iloc[0] if "paradigm" in rows and len(rows) else "kv"
+        kv = self.color(s["drafter"], paradigm) if self.color else "C3"
         axes[0].bar(x, target[cols], color="0.3")
         unavailable = [i for i, c in enumerate(cols) if c > t]
         if unavailable:
