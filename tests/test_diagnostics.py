@@ -98,10 +98,11 @@ def test_vector_metrics_by_hand():
 # ------------------------------------------------------------------------- drafter queries vs the target
 
 
-def kv_drafter(target, mode="concat", query_group=None, recency=0, seed=0):
+def kv_drafter(target, mode="concat", query_group=None, recency=0, seed=0, softmax="shared"):
     cfg = drafter_config_for(
         target,
         "kv",
+        kv_softmax=softmax,
         kv_mode=mode,
         query_group=query_group,
         draft_vocab_size=512,
@@ -135,9 +136,11 @@ def test_head_map_pairs_each_drafter_head_with_its_target_heads(tiny_llama):
     assert head_map(cfg3, info.n_heads) == []  # no per-head correspondence
 
 
-@pytest.mark.parametrize("mode", ["concat", "linear"])
-def test_query_in_key_space_reproduces_the_drafters_own_scores(tiny_llama, mode):
-    d = kv_drafter(tiny_llama, mode=mode, query_group=1, recency=3)
+@pytest.mark.parametrize(
+    "mode, softmax", [("concat", "shared"), ("linear", "shared"), ("concat", "separate")]
+)
+def test_query_in_key_space_reproduces_the_drafters_own_scores(tiny_llama, mode, softmax):
+    d = kv_drafter(tiny_llama, mode=mode, query_group=1, recency=3, softmax=softmax)
     ids = torch.randint(0, 49152, (24,), generator=torch.Generator().manual_seed(0))
     tp = target_pass(tiny_llama, ids, d.cfg.kv_layers)
     batch = _batch(tp, d.cfg)

@@ -201,7 +201,9 @@ def measure_sequence(
                 if maps is not None:
                     maps["target"][lay][j * g : (j + 1) * g, k, ok] = logp_full.exp()  # [g, a, T]
                     maps["drafter"][dl][i * G : (i + 1) * G, k, ok] = logp_hat.exp()  # [G, a, T]
-                own = 1 - share[i].sum(-1)  # [G, a] the drafter's attention on its own K/V
+                own = 1 - share[i].sum(-1)  # [G, a] the drafter's attention on its own K/V (one softmax)
+                if getattr(cfg, "kv_softmax", "shared") == "separate":
+                    own = torch.full_like(own, float("nan"))  # two softmaxes: no share to report
                 mine = [(dl * len(pairs) + pi, pr) for pi, pr in enumerate(pairs) if pr.injected == i]
                 if mine:
                     _score_pairs(
