@@ -281,3 +281,19 @@ def test_hooks_are_undone_after_an_exception(tiny_llama):
     with pytest.raises(RuntimeError), drafter_queries(d):
         raise RuntimeError("boom")
     assert "rope" not in d.__dict__ and "query" not in d.layers[0].self_attn.__dict__
+
+
+def test_greedy_references_are_cached_for_one_target_and_setting(tiny_llama, tmp_path, monkeypatch):
+    from kvshot_lib.evaluation import acceptance
+
+    cache = tmp_path / "refs.json"
+    first = acceptance.greedy_references(tiny_llama, 1, 4, progress=False, cache=cache)
+    assert cache.is_file() and len(first) == 2 and all(len(r.greedy_ids) == 4 for r in first)
+
+    def decode(*args):
+        raise AssertionError("decoded again")
+
+    monkeypatch.setattr(acceptance, "_decode_references", decode)
+    assert acceptance.greedy_references(tiny_llama, 1, 4, progress=False, cache=cache) == first
+    with pytest.raises(AssertionError, match="decoded again"):  # other settings: not the cached ones
+        acceptance.greedy_references(tiny_llama, 1, 5, progress=False, cache=cache)

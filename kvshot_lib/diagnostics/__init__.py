@@ -17,7 +17,6 @@ from .attention_metrics import METRICS, all_metrics
 from .causal_check import (
     causal_alpha,
     causal_summary,
-    greedy_sequences,
     run_causal_check,
     sequence_id,
     substitutes,
@@ -62,7 +61,6 @@ __all__ = [
     "causal_summary",
     "drafter_queries",
     "explorers",
-    "greedy_sequences",
     "has_widget_frontend",
     "head_map",
     "info_probes",

@@ -10,15 +10,12 @@ forward over the prompt and its greedy answer, so at step k they are the ground 
 0..k-1 were accepted, which is when step k counts towards α_k.
 
 Only head concatenation has a drafter query in the target's key space to mix (:func:`query_in_key_space`);
-other injection modes are reported as skipped. :func:`greedy_sequences` gives (and caches) the MT-bench
-prompts with the target's greedy answers that both the error measurement and this check run on.
+other injection modes are reported as skipped.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -35,23 +32,6 @@ from .query_error import target_pass
 
 def sequence_id(ref: Reference) -> str:
     return f"q{ref.question_id}-t{ref.turn + 1}"
-
-
-def greedy_sequences(target, n_questions: int, max_new_tokens: int, cache: str | Path | None = None):
-    """Both turns of the first ``n_questions`` MT-bench questions with the target's greedy answers (no stop
-    tokens, as :func:`acceptance.greedy_references`), cached as JSON at ``cache`` for this target."""
-    spec = dict(
-        target=target.info.name, fingerprint=target.info.fingerprint, n=n_questions, new=max_new_tokens
-    )
-    if cache is not None and Path(cache).is_file():
-        saved = json.loads(Path(cache).read_text())
-        if saved.get("spec") == spec:
-            return [Reference(**r) for r in saved["references"]]
-    refs = acceptance.greedy_references(target, n_questions, max_new_tokens)
-    if cache is not None:
-        Path(cache).parent.mkdir(parents=True, exist_ok=True)
-        Path(cache).write_text(json.dumps(dict(spec=spec, references=[dataclasses.asdict(r) for r in refs])))
-    return refs
 
 
 def substitutes(drafter, by_head: pd.DataFrame) -> dict[tuple[int, int], tuple[int, int]]:
