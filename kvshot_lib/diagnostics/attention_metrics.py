@@ -74,10 +74,13 @@ def _plogp_ratio(logp: Tensor, logq: Tensor) -> Tensor:
     return (p * diff).sum(-1)
 
 
-def _ranks(logp: Tensor) -> Tensor:
-    """Rank of every column in its row by decreasing probability (0 = the largest)."""
-    order = torch.argsort(logp, dim=-1, descending=True, stable=True)
-    return torch.argsort(order, dim=-1, stable=True)
+def _ranks(logp: Tensor, top: int = max(TOP_K)) -> Tensor:
+    """Rank of every column in its row by decreasing probability (0 = the largest), for the ``top`` largest;
+    every other column gets ``top`` (a top-k membership needs no more, and a full sort costs far more)."""
+    k = min(top, logp.shape[-1])
+    idx = logp.topk(k, dim=-1).indices  # [n, k]
+    ranks = torch.full(logp.shape, top, dtype=torch.long, device=logp.device)
+    return ranks.scatter_(-1, idx, torch.arange(k, device=logp.device).expand_as(idx))
 
 
 def distribution_metrics(logp_hat: Tensor, logp_star: Tensor, mask: Tensor) -> dict[str, Tensor]:
