@@ -297,3 +297,22 @@ def test_greedy_references_are_cached_for_one_target_and_setting(tiny_llama, tmp
     assert acceptance.greedy_references(tiny_llama, 1, 4, progress=False, cache=cache) == first
     with pytest.raises(AssertionError, match="decoded again"):  # other settings: not the cached ones
         acceptance.greedy_references(tiny_llama, 1, 5, progress=False, cache=cache)
+
+
+def test_causal_alpha_at_lambda_zero_is_the_plain_greedy_replay(tiny_llama):
+    from kvshot_lib.decoding import DecodeConfig
+    from kvshot_lib.diagnostics.causal_check import causal_alpha, causal_summary
+    from kvshot_lib.evaluation import acceptance
+
+    d = kv_drafter(tiny_llama, query_group=2)
+    refs = acceptance.greedy_references(tiny_llama, 1, 10, progress=False)
+    cfg = DecodeConfig(mode="chain", max_new_tokens=10, chain_depth=4)
+    subs = {(0, p.drafter_head): (p.layer, p.target_head) for p in head_map(d.cfg, tiny_llama.info.n_heads)}
+    table = causal_alpha(tiny_llama, d, refs, subs, [0.0, 1.0], cfg, progress=False).assign(drafter="kv-x")
+    for ref in refs:
+        plain = acceptance.replay_greedy(tiny_llama, d, ref, cfg)
+        mine = table[(table["lam"] == 0.0) & (table["sequence"] == f"q{ref.question_id}-t{ref.turn + 1}")]
+        assert mine.sort_values("step")["attempts"].tolist() == plain.step_attempts
+        assert mine.sort_values("step")["accepts"].tolist() == plain.step_accepts
+    summary = causal_summary(table, n_boot=100)
+    assert set(summary["lam"]) == {0.0, 1.0} and (summary["ci_lo"] <= summary["ci_hi"]).all()

@@ -25,9 +25,9 @@ from tqdm.auto import tqdm
 from ..decoding import DecodeConfig
 from ..evaluation import acceptance, metrics
 from ..evaluation.acceptance import Reference
+from ..target import capture
 from .bootstrap import ratio_ci
 from .drafter_hooks import drafter_queries
-from .query_error import target_pass
 
 
 def sequence_id(ref: Reference) -> str:
@@ -76,9 +76,10 @@ def causal_alpha(target, drafter, refs, subs: dict, lambdas, cfg: DecodeConfig, 
     rows = []
     layers = tuple(drafter.new_session().hidden_layers)
     for ref in tqdm(refs, desc=f"{drafter.name}: λ mix", disable=not progress):
-        ids = torch.tensor(ref.prompt_ids + ref.greedy_ids)
-        queries = target_pass(target, ids, drafter.cfg.kv_layers).queries
-        states = acceptance.target_states(target, ref, layers)
+        kv_layers = drafter.cfg.kv_layers
+        with capture(target.model, kv_layers, hidden=False, kv=False, queries=True) as rec:  # one forward
+            states = acceptance.target_states(target, ref, layers)
+        queries = {lay: rec.queries_at(lay)[0].float().cpu() for lay in kv_layers}  # [H, T, D]
         for lam in lambdas:
             with drafter_queries(drafter, replace=mixing_hook(queries, subs, float(lam)), keep=False):
                 res = acceptance.replay_greedy(target, drafter, ref, cfg, states)
