@@ -149,10 +149,12 @@ def test_information_gap_that_grows_and_one_that_does_not():
     by_step = gap[gap["step"] >= 0]
     assert np.allclose(by_step["gap_bits"], 0.2 * by_step["step"], atol=0.03)
     trend = gap[gap["step"] == -1].iloc[0]
-    assert trend["gap_bits"] == pytest.approx(0.2, abs=0.01) and trend["verdict"] == "grows with k"
+    assert trend["gap_bits"] == pytest.approx(0.2, abs=0.01) and trend["verdict"].startswith("grows with k")
+    assert "KV ahead at k = [1, 2, 3, 4, 5, 6, 7], hidden state ahead at k = none" in trend["verdict"]
     flat = _table({"emb": lambda k: 6.0, "h": lambda k: 5.0, "kv_h": lambda k: 4.9})
     trend = probe_stats.information_gap(flat, n_boot=500).query("step == -1").iloc[0]
-    assert trend["verdict"] == "does not grow with k" and trend["ci_lo"] < 0 < trend["ci_hi"]
+    assert trend["verdict"].startswith("does not grow with k") and trend["ci_lo"] < 0 < trend["ci_hi"]
+    assert "hidden state ahead at k = none" in trend["verdict"]
 
 
 def test_probe_results_information_gain_and_pairwise_tests():

@@ -11,6 +11,8 @@ differences are paired.
 * :func:`pairwise_tests`: ``CE(a) - CE(b)`` for every pair of kinds at each step, with interval and p-value;
 * :func:`information_gap`: ``IG(P_kv) - IG(P_h) = CE(P_h) - CE(P_kv)`` by step for each KV reader, and the
   least-squares slope of that gap over the steps; the gap *grows with k* when the slope's interval lies above 0.
+  The verdict also names the steps where either side is ahead (interval clear of 0): a gap can grow from
+  negative to zero without the KV cache ever holding more.
 """
 
 from __future__ import annotations
@@ -160,6 +162,9 @@ def information_gap(table: pd.DataFrame, n_boot: int = N_BOOT, seed: int = 0) ->
         s_draws = slope(draws, steps)
         s_lo, s_hi = np.nanquantile(s_draws, [0.025, 0.975])
         grows = "grows with k" if s_lo > 0 else ("shrinks with k" if s_hi < 0 else "does not grow with k")
+        ahead = [int(k) for k, a in zip(ce_h.columns, lo) if a > 0]  # the KV probe significantly better
+        behind = [int(k) for k, b in zip(ce_h.columns, hi) if b < 0]
+        grows += f"; KV ahead at k = {ahead or 'none'}, hidden state ahead at k = {behind or 'none'}"
         rows.append(
             dict(
                 kv_probe=kv,

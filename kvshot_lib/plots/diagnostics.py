@@ -244,7 +244,7 @@ def plot_information_gap(gap: pd.DataFrame):
         label = PROBE_LABELS.get(kind, kind)
         if len(trend):
             t = trend.iloc[0]
-            label += f": slope {t['gap_bits']:+.3f} [{t['ci_lo']:+.3f}, {t['ci_hi']:+.3f}] bits/step, {t['verdict']}"
+            label += f": slope {t['gap_bits']:+.3f} [{t['ci_lo']:+.3f}, {t['ci_hi']:+.3f}] bits/step, {t['verdict'].split(';')[0]}"
         color = PROBE_COLORS.get(kind, "C0")
         ax.plot(by_step["step"], by_step["gap_bits"], marker="o", color=color, label=label)
         ax.fill_between(by_step["step"], by_step["ci_lo"], by_step["ci_hi"], color=color, alpha=0.15, lw=0)
