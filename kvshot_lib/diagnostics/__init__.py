@@ -36,7 +36,13 @@ from .probe_training import (
     train_probes,
 )
 from .query_error import ESTIMATORS, SequenceErrors, measure_sequence
-from .query_tables import QueryErrorTables, kv_reading_drafters, measure_drafters, stale_verdict
+from .query_tables import (
+    QueryErrorTables,
+    figure_tables,
+    kv_reading_drafters,
+    measure_drafters,
+    stale_verdict,
+)
 
 __all__ = [
     "ESTIMATORS",
@@ -61,6 +67,7 @@ __all__ = [
     "causal_summary",
     "drafter_queries",
     "explorers",
+    "figure_tables",
     "has_widget_frontend",
     "head_map",
     "info_probes",

@@ -271,3 +271,23 @@ def measure_drafters(
             frames[key].append(getattr(acc, key)())
     tables = {key: pd.concat(v, ignore_index=True) for key, v in frames.items()}
     return tables, maps
+
+
+HEADLINE = ("out_err", "kl_bits", "js_bits", "recall@4", "cosine", "unavailable_mass")
+
+
+def figure_tables(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """The slices of the full tables the figures draw, small enough to keep beside them in git:
+
+    * ``query_error_by_sequence.csv``: head level, per sequence and step, the headline metrics;
+    * ``query_error_accepted.csv``: the drafter's and the stale query's ``out_err`` (sink kept) at the
+      steps the drafter got right and wrong, per sequence."""
+    keys = ["drafter", "paradigm", "estimator", "variant", "sequence", "step", "n"]
+    by_step = tables["by_step"]
+    by_seq = by_step[by_step["level"] == "head"][[*keys, *HEADLINE]]
+    acc = tables["vs_acceptance"]
+    acc = acc[(acc["variant"] == "with_sink") & acc["estimator"].isin(["drafter", "stale"])]
+    return {
+        "query_error_by_sequence.csv": by_seq.reset_index(drop=True),
+        "query_error_accepted.csv": acc[[*keys, "accepted", "out_err"]].reset_index(drop=True),
+    }

@@ -71,7 +71,7 @@ def _line_kw(line: str, paradigms: dict) -> dict:
 def plot_query_error_by_step(by_step: pd.DataFrame, metrics=("out_err", "kl_bits", "unavailable_mass")):
     """Error by draft step for each KV-reading drafter and the baselines, head level, with and without the
     sink; bands: 95% bootstrap intervals over sequences (a sequence's value averages its heads and anchors)."""
-    d = _estimates(by_step[by_step["level"] == "head"])
+    d = _estimates(by_step[by_step["level"] == "head"] if "level" in by_step else by_step)
     paradigms = _paradigms(by_step)
     fig, axes = plt.subplots(2, len(metrics), figsize=(PAGE, 4.4), sharex=True, squeeze=False)
     for r, variant in enumerate(("with_sink", "without_sink")):

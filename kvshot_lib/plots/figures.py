@@ -83,7 +83,7 @@ def _probe_counts(t):
     )
 
 
-QUERY_ERROR_COLUMNS = ["drafter", "paradigm", "estimator", "level", "variant", "step", "out_err"]
+QUERY_ERROR_COLUMNS = ["drafter", "paradigm", "estimator", "variant", "step", "out_err"]
 
 SPECS = [
     FigureSpec(
@@ -190,17 +190,17 @@ SPECS = [
     FigureSpec(
         "04_query_error_by_step",
         "04_query_estimation_error",
-        ("query_error_by_step.csv",),
-        lambda t: diagnostics.plot_query_error_by_step(t["query_error_by_step.csv"]),
-        {"query_error_by_step.csv": [*QUERY_ERROR_COLUMNS, "sequence", "kl_bits", "unavailable_mass"]},
-        _sequences("query_error_by_step.csv"),
+        ("query_error_by_sequence.csv",),
+        lambda t: diagnostics.plot_query_error_by_step(t["query_error_by_sequence.csv"]),
+        {"query_error_by_sequence.csv": [*QUERY_ERROR_COLUMNS, "sequence", "kl_bits", "unavailable_mass"]},
+        _sequences("query_error_by_sequence.csv"),
     ),
     FigureSpec(
         "04_query_error_by_head",
         "04_query_estimation_error",
         ("query_error_by_head.csv",),
         lambda t: diagnostics.plot_query_error_by_head(t["query_error_by_head.csv"]),
-        {"query_error_by_head.csv": [*QUERY_ERROR_COLUMNS, "layer", "head", "matched", "n"]},
+        {"query_error_by_head.csv": [*QUERY_ERROR_COLUMNS, "level", "layer", "head", "matched", "n"]},
         lambda t: (
             f"each point: mean over {_n_range(t['query_error_by_head.csv']['n'])} anchors per step, steps averaged"
         ),
@@ -208,10 +208,10 @@ SPECS = [
     FigureSpec(
         "04_query_error_vs_acceptance",
         "04_query_estimation_error",
-        ("query_error_vs_acceptance.csv",),
-        lambda t: diagnostics.plot_query_error_vs_acceptance(t["query_error_vs_acceptance.csv"]),
-        {"query_error_vs_acceptance.csv": [*QUERY_ERROR_COLUMNS, "sequence", "accepted"]},
-        _sequences("query_error_vs_acceptance.csv"),
+        ("query_error_accepted.csv",),
+        lambda t: diagnostics.plot_query_error_vs_acceptance(t["query_error_accepted.csv"]),
+        {"query_error_accepted.csv": [*QUERY_ERROR_COLUMNS, "sequence", "accepted"]},
+        _sequences("query_error_accepted.csv"),
     ),
     FigureSpec(
         "04_query_causal_check",
