@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -74,9 +76,27 @@ class AcceptanceRun:
 
 
 def greedy_references(
-    target, n_questions: int | None, max_new_tokens: int, progress: bool = True
+    target, n_questions: int | None, max_new_tokens: int, progress: bool = True, cache=None
 ) -> list[Reference]:
-    """Both turns of the first ``n_questions`` MT-bench questions, greedy; turn 2 sees turn 1's answer."""
+    """Both turns of the first ``n_questions`` MT-bench questions, greedy; turn 2 sees turn 1's answer.
+
+    ``cache``: a JSON file that keeps them for this target and these settings (notebook 03 writes it and
+    notebook 04 reads the same references back instead of decoding them again)."""
+    spec = dict(
+        target=target.info.name, fingerprint=target.info.fingerprint, n=n_questions, new=max_new_tokens
+    )
+    if cache is not None and Path(cache).is_file():
+        saved = json.loads(Path(cache).read_text())
+        if saved.get("spec") == spec:
+            return [Reference(**r) for r in saved["references"]]
+    refs = _decode_references(target, n_questions, max_new_tokens, progress)
+    if cache is not None:
+        Path(cache).parent.mkdir(parents=True, exist_ok=True)
+        Path(cache).write_text(json.dumps(dict(spec=spec, references=[dataclasses.asdict(r) for r in refs])))
+    return refs
+
+
+def _decode_references(target, n_questions, max_new_tokens: int, progress: bool) -> list[Reference]:
     stops = set(target.info.eos_token_ids)
     cfg = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens, stop_token_ids=())
     refs = []

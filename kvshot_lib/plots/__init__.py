@@ -2,13 +2,14 @@
 
 * :mod:`.style`: the theme (seaborn, colour-blind palette, one colour per paradigm), sizes for a two-column
   paper, the caption line, and :func:`save_figure` (PDF + PNG with no dates, so redraws are byte-identical);
-* one module per notebook family: :mod:`.corpus` (00), :mod:`.training` (02, 05), :mod:`.decoding` (03, 06), :mod:`.specpv` (07);
+* one module per notebook family: :mod:`.corpus` (00), :mod:`.diagnostics` (01, 04), :mod:`.training` (02, 05),
+  :mod:`.decoding` (03, 06), :mod:`.specpv` (07);
   their functions take the saved tables (DataFrames), never live objects;
 * :mod:`.figures`: the registry of every figure and its tables, :func:`publish` (a notebook keeps the tables
   beside the figure and draws it from them) and :func:`redraw` (``kvshot figures``).
 """
 
-from . import corpus, decoding, figures, specpv, training
+from . import corpus, decoding, diagnostics, figures, specpv, training
 from .figures import FIGURES, FigureDataError, draw, load_tables, publish, redraw
 from .style import (
     COLUMN,
@@ -30,6 +31,7 @@ __all__ = [
     "add_caption",
     "corpus",
     "decoding",
+    "diagnostics",
     "draw",
     "drafter_color",
     "figures",

@@ -26,7 +26,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from . import corpus, decoding, specpv, training
+from . import corpus, decoding, diagnostics, specpv, training
 from .style import add_caption, paper_style, save_figure
 
 CAPTIONS = "captions.json"
@@ -78,6 +78,23 @@ def _speed_machine(t, name="specpv_speed.csv"):
     return f"{int(d['n_prompts'].max())} prompts per context, one run on {d['machine'].iloc[0]}"
 
 
+def _sequences(table: str, what: str = "sequences"):
+    return lambda t: (
+        f"{t[table]['sequence'].nunique()} MT-bench {what} (target-greedy answers); band: 95% bootstrap over them"
+    )
+
+
+def _probe_counts(t):
+    d = t["probe_results.csv"]
+    d = d[d["metric"] == "top1"]
+    return (
+        f"each point: {_n_range(d['n_examples'])} test examples from {int(d['n_docs'].max())} held-out "
+        f"ShareGPT documents, {int(d['n_seeds'].max())} seeds; band: 95% bootstrap over documents"
+    )
+
+
+QUERY_ERROR_COLUMNS = ["drafter", "paradigm", "estimator", "variant", "step", "out_err"]
+
 SPECS = [
     FigureSpec(
         "00_length_distributions",
@@ -90,6 +107,22 @@ SPECS = [
         lambda t: (
             f"{len(t['sharegpt_conversations.csv'])} conversations, {len(t['sharegpt_responses.csv'])} responses"
         ),
+    ),
+    FigureSpec(
+        "01_probe_results_by_k",
+        "01_information_probes",
+        ("probe_results.csv",),
+        lambda t: diagnostics.plot_probe_results(t["probe_results.csv"]),
+        {"probe_results.csv": ["kind", "task", "step", "metric", "value", "ci_lo", "ci_hi", "n_examples"]},
+        _probe_counts,
+    ),
+    FigureSpec(
+        "01_information_gap",
+        "01_information_probes",
+        ("information_gap.csv", "probe_results.csv"),
+        lambda t: diagnostics.plot_information_gap(t["information_gap.csv"]),
+        {"information_gap.csv": ["kv_probe", "step", "gap_bits", "ci_lo", "ci_hi", "verdict"]},
+        _probe_counts,
     ),
     FigureSpec(
         "02_per_step_accuracy",
@@ -163,6 +196,54 @@ SPECS = [
         lambda t: decoding.plot_mat_by_drafter(t["acceptance_summary.csv"]),
         {"acceptance_summary.csv": ["drafter", "mode", "temperature", "mat"]},
         lambda t: f"each bar: {_n_range(t['acceptance_summary.csv']['n_cycles'])} verification cycles",
+    ),
+    FigureSpec(
+        "04_query_error_by_step",
+        "04_query_estimation_error",
+        ("query_error_by_sequence.csv",),
+        lambda t: diagnostics.plot_query_error_by_step(t["query_error_by_sequence.csv"]),
+        {"query_error_by_sequence.csv": [*QUERY_ERROR_COLUMNS, "sequence", "kl_bits", "unavailable_mass"]},
+        _sequences("query_error_by_sequence.csv"),
+    ),
+    FigureSpec(
+        "04_query_error_by_head",
+        "04_query_estimation_error",
+        ("query_error_by_head.csv",),
+        lambda t: diagnostics.plot_query_error_by_head(t["query_error_by_head.csv"]),
+        {"query_error_by_head.csv": [*QUERY_ERROR_COLUMNS, "level", "layer", "head", "matched", "n"]},
+        lambda t: (
+            f"each point: mean over {_n_range(t['query_error_by_head.csv']['n'])} anchors per step, steps averaged"
+        ),
+    ),
+    FigureSpec(
+        "04_query_error_vs_acceptance",
+        "04_query_estimation_error",
+        ("query_error_accepted.csv",),
+        lambda t: diagnostics.plot_query_error_vs_acceptance(t["query_error_accepted.csv"]),
+        {"query_error_accepted.csv": [*QUERY_ERROR_COLUMNS, "sequence", "accepted"]},
+        _sequences("query_error_accepted.csv"),
+    ),
+    FigureSpec(
+        "04_query_causal_check",
+        "04_query_estimation_error",
+        ("query_causal_check.csv",),
+        lambda t: diagnostics.plot_causal_check(t["query_causal_check.csv"]),
+        {
+            "query_causal_check.csv": [
+                "drafter",
+                "lam",
+                "step",
+                "alpha_conditional",
+                "ci_lo",
+                "ci_hi",
+                "n_attempts",
+                "mat",
+            ]
+        },
+        lambda t: (
+            f"each point: {_n_range(t['query_causal_check.csv']['n_attempts'][t['query_causal_check.csv']['n_attempts'] >= 20])} "
+            "draft attempts; bars: 95% bootstrap over MT-bench turns; steps with < 20 attempts hidden"
+        ),
     ),
     FigureSpec(
         "05_grad_group_stats",

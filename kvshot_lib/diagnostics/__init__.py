@@ -1,0 +1,93 @@
+"""The diagnostics stage: why KV-reading drafters do (not) work, measured on the real target.
+
+* query-estimation error (notebook 04): the drafter's attention queries against the target's real post-RoPE
+  queries at the same (layer, head, position) on MT-bench text the target wrote (:mod:`.query_error`,
+  :mod:`.attention_metrics`, :mod:`.query_tables`), and the causal check that moves them towards the truth
+  (:mod:`.causal_check`);
+* hidden-vs-KV information probes (notebook 01): equal-size probes reading the hidden state or the KV cache
+  at ``t`` out through the frozen LM head, for the target's token at ``t+1+k`` (:mod:`.probe_data`,
+  :mod:`.info_probes`, :mod:`.probe_training`, :mod:`.probe_stats`);
+* interactive explorers (ipywidgets) for attention and acceptance (:mod:`.explorers`).
+
+It reads drafters, the target and the evaluation harness, and hands result tables to the plots.
+"""
+
+from . import attention_metrics, bootstrap, explorers, info_probes, probe_stats
+from .attention_metrics import METRICS, all_metrics
+from .causal_check import (
+    causal_alpha,
+    causal_summary,
+    run_causal_check,
+    sequence_id,
+    substitutes,
+)
+from .drafter_hooks import TargetAttentionRecorder, drafter_queries, head_map, query_in_key_space
+from .explorers import AcceptanceExplorer, AttentionExplorer, has_widget_frontend, show
+from .info_probes import KINDS, ProbeBank, ProbeDims, Readout, probe_widths
+from .probe_data import ProbeData, probe_documents
+from .probe_stats import information_gap, pairwise_tests, probe_results
+from .probe_training import (
+    ProbeConfig,
+    ProbeRun,
+    batches_of,
+    label_index,
+    readout_vocab,
+    run_probes,
+    train_probes,
+)
+from .query_error import ESTIMATORS, SequenceErrors, measure_sequence
+from .query_tables import (
+    QueryErrorTables,
+    figure_tables,
+    kv_reading_drafters,
+    measure_drafters,
+    stale_verdict,
+)
+
+__all__ = [
+    "ESTIMATORS",
+    "KINDS",
+    "METRICS",
+    "AcceptanceExplorer",
+    "AttentionExplorer",
+    "ProbeBank",
+    "ProbeConfig",
+    "ProbeRun",
+    "ProbeData",
+    "ProbeDims",
+    "QueryErrorTables",
+    "Readout",
+    "SequenceErrors",
+    "TargetAttentionRecorder",
+    "all_metrics",
+    "attention_metrics",
+    "batches_of",
+    "bootstrap",
+    "causal_alpha",
+    "causal_summary",
+    "drafter_queries",
+    "explorers",
+    "figure_tables",
+    "has_widget_frontend",
+    "head_map",
+    "info_probes",
+    "kv_reading_drafters",
+    "measure_drafters",
+    "information_gap",
+    "label_index",
+    "measure_sequence",
+    "pairwise_tests",
+    "probe_documents",
+    "probe_results",
+    "probe_stats",
+    "probe_widths",
+    "query_in_key_space",
+    "readout_vocab",
+    "run_causal_check",
+    "run_probes",
+    "sequence_id",
+    "show",
+    "stale_verdict",
+    "substitutes",
+    "train_probes",
+]
