@@ -213,7 +213,13 @@ def kv_reading_drafters(run_dir, target) -> tuple[dict, str]:
     from ..drafters import drafters_for_run
 
     found, _ = drafters_for_run(run_dir, target, baselines=[])
-    keep = {n: d for n, d in found.items() if d.cfg.uses_target_kv and d.cfg.target_kv == "real"}
+    # the block drafter reads the KV too, but drafts a whole block in one forward: its queries at step k are
+    # not an unrolled step's, which is what the measurement follows; it is left out (and named in the note)
+    keep = {
+        n: d
+        for n, d in found.items()
+        if d.cfg.uses_target_kv and d.cfg.target_kv == "real" and d.cfg.paradigm != "block"
+    }
     skipped = sorted(set(found) - set(keep))
     if not keep:
         raise FileNotFoundError(
@@ -221,7 +227,7 @@ def kv_reading_drafters(run_dir, target) -> tuple[dict, str]:
             "with a kv or hybrid drafter first, e.g. kvshot run --only 02 --set 'drafters=[{paradigm: kv, regime: ttt}]'."
         )
     note = f"KV-reading drafters: {', '.join(keep)}" + (
-        f"; left out (no real target KV): {', '.join(skipped)}" if skipped else ""
+        f"; left out (no real target KV, or a block drafter): {', '.join(skipped)}" if skipped else ""
     )
     return keep, note
 

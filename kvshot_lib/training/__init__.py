@@ -27,7 +27,15 @@ from .grad_probes import (
     param_group,
     spearman,
 )
-from .heldout import EvalSet, combined_table, evaluate_per_step, gate_summary, per_step_table, training_times
+from .heldout import (
+    EvalSet,
+    budget_note,
+    combined_table,
+    evaluate_per_step,
+    gate_summary,
+    per_step_table,
+    training_times,
+)
 from .kv_ablation import KV_CONDITIONS, kv_ablation_table, with_target_kv, zero_target_kv
 from .loop import (
     LOG_TABLES,
@@ -67,6 +75,7 @@ __all__ = [
     "TrainResult",
     "batch_from_target",
     "branch_valid",
+    "budget_note",
     "build_draft_vocab",
     "build_optimizer",
     "collate",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -181,6 +182,18 @@ def training_times(results) -> pd.DataFrame:
             )
         )
     return pd.DataFrame(rows)
+
+
+def budget_note(results_dir) -> str:
+    """The caption words that say a run's drafters are budget-limited: the training tokens each one saw
+    (from ``training_times.csv``, which notebook 02 writes), against the ~10^8 of published recipes."""
+    path = Path(results_dir) / "training_times.csv"
+    if not path.is_file():
+        return "drafters: none trained in this run"
+    tokens = pd.read_csv(path)["train_tokens"]
+    lo, hi = tokens.min() / 1e6, tokens.max() / 1e6
+    seen = f"{lo:.2f}M" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}M–{hi:.2f}M"
+    return f"budget-limited: each drafter trained on {seen} tokens (published recipes: ~100M+)"
 
 
 def combined_table(results, name: str) -> pd.DataFrame:
