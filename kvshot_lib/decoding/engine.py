@@ -194,6 +194,20 @@ def take_prefill(
     return cache, pre.logits, {layer: pre.hidden[layer] for layer in layers}
 
 
+def start_prompt(
+    model, ids: Tensor, layers: tuple[int, ...], prefill: Prefill | None = None
+) -> tuple[DynamicCache, Tensor, dict, float]:
+    """A generation's start: the prompt's cache, its last logits, the hidden states of ``layers`` and the
+    prefill's seconds; from a private copy of a shared :class:`Prefill` of ``ids``, or by running it."""
+    if prefill is not None:
+        cache, logits, hidden = take_prefill(prefill, ids, layers, model.config)
+        return cache, logits, hidden, prefill.seconds
+    t0 = time.perf_counter()
+    cache = DynamicCache(config=model.config)
+    logits, hidden = _prefill(model, ids, cache, layers)
+    return cache, logits, hidden, time.perf_counter() - t0
+
+
 def _prefill(model, ids: Tensor, cache, layers: tuple[int, ...]):
     out = model(
         input_ids=ids,
@@ -218,15 +232,9 @@ def autoregressive_generate(
     stops = set(cfg.stop_token_ids if cfg.stop_token_ids is not None else target.info.eos_token_ids)
     gen = torch.Generator().manual_seed(cfg.seed)
     result = GenerationResult([], ids.shape[1], "max_new_tokens")
-    if prefill is not None:
-        cache, logits, _ = take_prefill(prefill, ids, (), model.config)
-    t0 = time.perf_counter() - (prefill.seconds if prefill is not None else 0.0)
-    if prefill is None:
-        cache = DynamicCache(config=model.config)
     if cfg.max_new_tokens > 0:
-        if prefill is None:
-            logits, _ = _prefill(model, ids, cache, ())
-        result.prefill_s = time.perf_counter() - t0
+        cache, logits, _, result.prefill_s = start_prompt(model, ids, (), prefill)
+        t0 = time.perf_counter() - result.prefill_s
         done = _commit(result, [_choose(logits, cfg, gen)], stops, cfg)
         pos = ids.shape[1]
         tok = torch.empty(1, 1, dtype=torch.long, device=model.device)
@@ -243,8 +251,8 @@ def autoregressive_generate(
             )
             pos += 1
             done = _commit(result, [_choose(out.logits[0, -1], cfg, gen)], stops, cfg)
-    result.total_s = time.perf_counter() - t0
-    result.verify_s = result.total_s - result.prefill_s
+        result.total_s = time.perf_counter() - t0
+        result.verify_s = result.total_s - result.prefill_s
     return result
 
 
@@ -329,14 +337,8 @@ def _speculative(target, drafter, prompt_ids, cfg: DecodeConfig, on_cycle, prefi
     session = drafter.new_session()
     layers = tuple(session.hidden_layers)
     d2t = session.d2t
-    if prefill is not None:
-        cache, logits, pending = take_prefill(prefill, ids, layers, model.config)
-        t0 = time.perf_counter() - prefill.seconds
-    else:
-        t0 = time.perf_counter()
-        cache = DynamicCache(config=model.config)
-        logits, pending = _prefill(model, ids, cache, layers)
-    result.prefill_s = time.perf_counter() - t0
+    cache, logits, pending, result.prefill_s = start_prompt(model, ids, layers, prefill)
+    t0 = time.perf_counter() - result.prefill_s
     committed = torch.empty(1, ids.shape[1] + cfg.max_new_tokens, dtype=torch.long, device=dev)  # [1, T_max]
     committed[:, : ids.shape[1]] = ids
     done = _commit(result, [_choose(logits, cfg, gen)], stops, cfg)

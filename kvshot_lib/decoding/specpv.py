@@ -47,10 +47,9 @@ from .engine import (
     _check_prompt,
     _choose,
     _commit,
-    _prefill,
     _verify,
     keep_block_positions,
-    take_prefill,
+    start_prompt,
 )
 from .kernels import small_batch_linear
 from .partial_kv import PartialKVCache, PartialKVConfig, compact_attention_mode
@@ -210,14 +209,8 @@ def _specpv(target, drafter, prompt_ids, cfg, pv, on_partial, on_full, prefill) 
     session = drafter.new_session() if drafter is not None else None
     layers = tuple(session.hidden_layers) if session is not None else ()
     d2t = session.d2t if session is not None else None
-    if prefill is not None:
-        full, logits, hidden = take_prefill(prefill, ids, layers, model.config)
-        t0 = time.perf_counter() - prefill.seconds
-    else:
-        t0 = time.perf_counter()
-        full = DynamicCache(config=model.config)
-        logits, hidden = _prefill(model, ids, full, layers)
-    result.prefill_s = time.perf_counter() - t0
+    full, logits, hidden, result.prefill_s = start_prompt(model, ids, layers, prefill)
+    t0 = time.perf_counter() - result.prefill_s
     committed = torch.empty(1, T + cfg.max_new_tokens, dtype=torch.long, device=dev)  # [1, T_max]
     committed[:, :T] = ids
     done = _commit(result, [_choose(logits, cfg, gen)], stops, cfg)
