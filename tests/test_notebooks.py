@@ -97,9 +97,9 @@ def table(name: str, columns) -> pd.DataFrame:
     return df
 
 
-def within(series, lo, hi) -> bool:
-    """Every value in [lo, hi] (NaN is not)."""
-    return bool(((series >= lo) & (series <= hi)).all())
+def within(series, lo, hi, tol=1e-6) -> bool:
+    """Every value in [lo, hi] up to float rounding (NaN is not)."""
+    return bool(((series >= lo - tol) & (series <= hi + tol)).all())
 
 
 def trained_configs():
@@ -141,7 +141,10 @@ def test_saved_tables_of_notebook_02(smoke_run):
     assert sorted(zip(acc["drafter"], acc["draft_step"])) == sorted(
         (c.name, k) for c in configs for k in range(c.eval_steps)
     ), "one row per drafter x draft step"
-    assert within(acc["accuracy"], 0, 1) and within(acc["ceiling"], 0, 1) and (acc["n"] > 0).all()
+    # a block drafter drafts at most its block: past it a step has no positions and no accuracy
+    measured = acc["n"] > 0
+    assert within(acc.loc[measured, "accuracy"], 0, 1) and within(acc["ceiling"], 0, 1)
+    assert acc.loc[~measured, "accuracy"].isna().all() and measured[acc["draft_step"] == 0].all()
     step0 = acc[acc["draft_step"] == 0]
     assert (
         step0["accuracy"] <= step0["ceiling"] + 1e-12
@@ -158,7 +161,9 @@ def test_saved_tables_of_notebook_02(smoke_run):
     for c in configs:
         e = evals[evals["drafter"] == c.name]
         assert e["step"].tolist() == want and within(
-            e[[f"acc_{k}" for k in range(c.eval_steps)]].stack(), 0, 1
+            e[[f"acc_{k}" for k in range(c.eval_steps)]].stack().dropna(),
+            0,
+            1,  # NaN past a block
         )
     probes = table("grad_probes", ["drafter", "step", "group", "l2", "frac_small", "n_positions"])
     probe_steps = sorted(
@@ -169,15 +174,23 @@ def test_saved_tables_of_notebook_02(smoke_run):
     assert within(probes["frac_small"], 0, 1) and (probes["n_positions"] <= probes["n_positions_total"]).all()
     kv = table("kv_positions", ["drafter", "own_step", "frac_zero_grad"])
     for c in configs:
-        assert sorted(set(kv[kv["drafter"] == c.name]["own_step"])) == list(range(c.n_train_steps)), c.name
+        steps = sorted(set(kv[kv["drafter"] == c.name]["own_step"]))
+        if c.paradigm == "block":  # one forward drafts the block: its own K/V are not per unrolled step
+            assert steps, c.name
+        else:
+            assert steps == list(range(c.n_train_steps)), c.name
     assert within(kv["frac_zero_grad"], 0, 1)
     mass = table("attention_mass", ["drafter", "paradigm", "step", "layer", "segment", "share"])
     assert within(mass["share"], 0, 1 + 1e-6)
-    for (paradigm, *_), shares in mass.groupby(["paradigm", "drafter", "step", "layer"])["share"]:
-        # one softmax per layer, two for the hybrid (its self- and cross-attention)
-        assert shares.sum() == pytest.approx(2.0 if paradigm == "hybrid" else 1.0, abs=1e-5)
+    by_name = {c.name: c for c in configs}
+    for (name, *_), shares in mass.groupby(["drafter", "step", "layer"])["share"]:
+        # one softmax per layer; two for the hybrid (self- and cross-attention) and for a KV-only drafter
+        # whose target KV has a softmax of its own
+        c = by_name[name]
+        two = c.paradigm == "hybrid" or (c.paradigm == "kv" and c.kv_softmax == "separate")
+        assert shares.sum() == pytest.approx(2.0 if two else 1.0, abs=1e-5), name
     ablation = table("kv_ablation", ["drafter", "trained_with", "condition", "draft_step", "accuracy", "n"])
-    readers = [c for c in configs if c.paradigm in ("kv", "hybrid")]
+    readers = [c for c in configs if c.paradigm in ("kv", "hybrid", "cross") or c.context in ("kv", "both")]
     assert sorted(zip(ablation["drafter"], ablation["condition"], ablation["draft_step"])) == sorted(
         (c.name, cond, k)
         for c in readers
@@ -240,15 +253,15 @@ def test_saved_tables_of_notebook_05(smoke_run):
     for column in ("kv_frac_small", "others_frac_small", "kv_position_share", "attention_on_own_branch"):
         assert within(summary[column].dropna(), 0, 1), column
     assert within(summary["spearman_received_vs_grad"].dropna(), -1, 1)
-    remedies = list(p["remedies"])
-    acc = table("remedy_per_step_accuracy", ["drafter", "draft_step", "accuracy"])
+    runs = [f"{r}-seed{s}" for r in p["remedies"] for s in p["remedy_seeds"]]  # each remedy from each seed
+    acc = table("remedy_per_step_accuracy", ["drafter", "remedy", "draft_step", "accuracy"])
     eval_steps = parse_drafter_specs([{**p["remedy_drafter"], "name": "x"}])[0].eval_steps
     assert sorted(zip(acc["drafter"], acc["draft_step"])) == sorted(
-        (r, k) for r in remedies for k in range(eval_steps)
+        (r, k) for r in runs for k in range(eval_steps)
     )
-    assert within(acc["accuracy"], 0, 1)
+    assert sorted(set(acc["remedy"])) == sorted(p["remedies"]) and within(acc["accuracy"], 0, 1)
     times = table("remedy_training_times", ["drafter", "train_steps"])
-    assert times["drafter"].tolist() == remedies and (times["train_steps"] == p["remedy_train_steps"]).all()
+    assert times["drafter"].tolist() == runs and (times["train_steps"] == p["remedy_train_steps"]).all()
 
 
 def test_saved_tables_of_notebook_06(smoke_run):
