@@ -69,14 +69,15 @@ def main() -> int:
     from kvshot_lib import corpus
     from kvshot_lib.decoding import DecodeConfig
     from kvshot_lib.drafters import resolve_drafter
-    from kvshot_lib.evaluation.acceptance import (
+    from kvshot_lib.evaluation import (
         acceptance_summary,
         acceptance_table,
         greedy_references,
+        machine_info,
+        machine_name,
         mode_configs,
         run_greedy_replay,
     )
-    from kvshot_lib.evaluation.speedup import machine_info, machine_name
     from kvshot_lib.target import load_target
     from kvshot_lib.training import (
         build_draft_vocab,

@@ -22,8 +22,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from kvshot_lib.corpus import context_lengths, long_prompts
-from kvshot_lib.corpus.long_context import LICENCE, SOURCE
+from kvshot_lib.corpus import context_lengths, long_context, long_prompts
 from kvshot_lib.decoding import DecodeConfig, SpecPVConfig
 from kvshot_lib.drafters import drafters_for_run
 from kvshot_lib.evaluation import machine_info, machine_name, specpv_cost, specpv_speed
@@ -130,8 +129,8 @@ def main() -> None:
         target=target.info.name,
         max_context=target.info.max_context,
         contexts=lengths,
-        source=SOURCE,
-        licence=LICENCE,
+        source=long_context.SOURCE,
+        licence=long_context.LICENCE,
         args=vars(args),
         note=note,
         speed=table.to_dict(orient="records"),

@@ -43,7 +43,7 @@ DEFAULT_ARGS = [
 
 
 def cut_target_kv() -> None:
-    from kvshot_lib.drafters.kv import KVDrafter
+    from kvshot_lib.drafters import KVDrafter
 
     inject = KVDrafter.inject
 

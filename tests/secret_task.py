@@ -27,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvshot_lib.decoding import DecodeConfig, autoregressive_generate
 from kvshot_lib.drafters import build_drafter, drafter_config_for
-from kvshot_lib.target.loading import Target, TargetInfo
+from kvshot_lib.target import Target, TargetInfo
 from kvshot_lib.training import Objective, TrainConfig, build_optimizer, collate, target_sequence
 
 N_FILLERS, N_SECRETS = 16, 8

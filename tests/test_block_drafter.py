@@ -17,13 +17,14 @@ from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, speculati
 from kvshot_lib.drafters import (
     DrafterConfigError,
     DrafterTargetMismatch,
+    Segment,
     TargetView,
     build_drafter,
     drafter_config_for,
     load_drafter,
     save_drafter,
+    segmented_attention,
 )
-from kvshot_lib.drafters.attention import Segment, segmented_attention
 from kvshot_lib.training import (
     Objective,
     TrainConfig,
@@ -31,10 +32,11 @@ from kvshot_lib.training import (
     batch_from_target,
     collate,
     kv_ablation_table,
+    sample_anchors,
+    step_mask,
     target_sequence,
     train_drafter,
 )
-from kvshot_lib.training.losses import sample_anchors, step_mask
 
 CONTEXTS = ("kv", "hidden", "both")
 

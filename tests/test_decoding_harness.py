@@ -222,7 +222,7 @@ def test_speed_benchmark_table_and_hf_generate_agree_with_our_greedy_loop(llama)
 
 
 def test_kvshot_generate_json_matches_hf_generate(llama, capsys, monkeypatch):
-    import kvshot_lib.decoding.cli as gen_cli
+    from kvshot_lib.decoding import cli as gen_cli
 
     monkeypatch.setattr(gen_cli, "load_cli_target", lambda args: llama)  # the spread test target
     cli.main(
@@ -262,7 +262,7 @@ def test_kvshot_generate_json_matches_hf_generate(llama, capsys, monkeypatch):
     ],
 )
 def test_cli_rejects_bad_arguments_before_loading_anything(argv, message, monkeypatch):
-    import kvshot_lib.decoding.cli as gen_cli
+    from kvshot_lib.decoding import cli as gen_cli
 
     monkeypatch.setattr(
         gen_cli, "load_cli_target", lambda args: pytest.fail("loaded a model for bad arguments")

@@ -30,7 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, logits_to_probs, speculative_generate
 from kvshot_lib.drafters import SelfDrafter, build_drafter, drafter_config_for, load_drafter, save_drafter
-from kvshot_lib.target.loading import TINY_CONFIG, Target, TargetInfo
+from kvshot_lib.target import TINY_CONFIG, Target, TargetInfo
 from kvshot_lib.training import Objective, TrainConfig, batch_from_target
 
 N_RUNS = 1000

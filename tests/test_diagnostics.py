@@ -7,16 +7,20 @@ import pandas as pd
 import pytest
 import torch
 
-from kvshot_lib.diagnostics import attention_metrics as am
-from kvshot_lib.diagnostics.causal_check import mixing_hook
-from kvshot_lib.diagnostics.drafter_hooks import (
+from kvshot_lib.diagnostics import (
+    ESTIMATORS,
+    QueryErrorTables,
     TargetAttentionRecorder,
     drafter_queries,
     head_map,
+    measure_sequence,
+    mixing_hook,
     query_in_key_space,
+    sequence_batch,
+    stale_verdict,
+    target_pass,
 )
-from kvshot_lib.diagnostics.query_error import ESTIMATORS, _batch, measure_sequence, target_pass
-from kvshot_lib.diagnostics.query_tables import QueryErrorTables, stale_verdict
+from kvshot_lib.diagnostics import attention_metrics as am
 from kvshot_lib.drafters import build_drafter, drafter_config_for
 
 
@@ -143,7 +147,7 @@ def test_query_in_key_space_reproduces_the_drafters_own_scores(tiny_llama, mode,
     d = kv_drafter(tiny_llama, mode=mode, query_group=1, recency=3, softmax=softmax)
     ids = torch.randint(0, 49152, (24,), generator=torch.Generator().manual_seed(0))
     tp = target_pass(tiny_llama, ids, d.cfg.kv_layers)
-    batch = _batch(tp, d.cfg)
+    batch = sequence_batch(tp, d.cfg)
     rec = TargetAttentionRecorder()
     with torch.no_grad(), drafter_queries(d) as records:
         un = d.forward(batch, 2, recorder=rec)
@@ -250,7 +254,7 @@ def test_causal_hook_lambda_zero_is_the_drafter_and_one_is_the_target(tiny_llama
     d = kv_drafter(tiny_llama, query_group=2)  # one drafter query per target query head
     ids = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(5))
     tp = target_pass(tiny_llama, ids, d.cfg.kv_layers)
-    batch = _batch(tp, d.cfg)
+    batch = sequence_batch(tp, d.cfg)
     subs = {(0, p.drafter_head): (p.layer, p.target_head) for p in head_map(d.cfg, tiny_llama.info.n_heads)}
     with torch.no_grad():
         plain = d.logits(d.forward(batch, 2).outs[1])
@@ -301,7 +305,7 @@ def test_greedy_references_are_cached_for_one_target_and_setting(tiny_llama, tmp
 
 def test_causal_alpha_at_lambda_zero_is_the_plain_greedy_replay(tiny_llama):
     from kvshot_lib.decoding import DecodeConfig
-    from kvshot_lib.diagnostics.causal_check import causal_alpha, causal_summary
+    from kvshot_lib.diagnostics import causal_alpha, causal_summary
     from kvshot_lib.evaluation import acceptance
 
     d = kv_drafter(tiny_llama, query_group=2)

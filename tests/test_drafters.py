@@ -12,6 +12,7 @@ from kvshot_lib.drafters import (
     DrafterTargetMismatch,
     SessionFactory,
     build_drafter,
+    coverage,
     draft_vocab_from_counts,
     drafter_config_for,
     load_drafter,
@@ -19,7 +20,6 @@ from kvshot_lib.drafters import (
     target_to_draft,
     vocab_hash,
 )
-from kvshot_lib.drafters.vocab import coverage
 from kvshot_lib.target import load_target
 from kvshot_lib.training import batch_from_target, grouped_parameters
 

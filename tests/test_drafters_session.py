@@ -3,9 +3,13 @@
 import pytest
 import torch
 
-from kvshot_lib.drafters import TargetView, build_drafter, drafter_config_for
-from kvshot_lib.drafters.base import DraftSession
-from kvshot_lib.drafters.session import TrainedDraftSession
+from kvshot_lib.drafters import (
+    DraftSession,
+    TargetView,
+    TrainedDraftSession,
+    build_drafter,
+    drafter_config_for,
+)
 from kvshot_lib.training import batch_from_target
 
 # (paradigm, kv_mode, n_layers, extra config): the last KV variants bias their target-KV scores by distance

@@ -8,9 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kvshot_lib.diagnostics import explorers
-from kvshot_lib.diagnostics.query_error import measure_sequence
-from kvshot_lib.diagnostics.query_tables import QueryErrorTables
+from kvshot_lib.diagnostics import QueryErrorTables, explorers, measure_sequence
 from kvshot_lib.drafters import build_drafter, drafter_config_for
 from kvshot_lib.evaluation import metrics
 

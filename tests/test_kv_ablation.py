@@ -5,12 +5,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvshot_lib.drafters import TargetView, build_drafter, drafter_config_for
-from kvshot_lib.drafters.attention import Segment, segmented_attention
-from kvshot_lib.drafters.kv import RecencyBias
-from kvshot_lib.drafters.unroll import TrainBatch
-from kvshot_lib.training import EvalSet, batch_from_target
-from kvshot_lib.training.kv_ablation import with_target_kv
+from kvshot_lib.drafters import (
+    RecencyBias,
+    Segment,
+    TargetView,
+    TrainBatch,
+    build_drafter,
+    drafter_config_for,
+    segmented_attention,
+)
+from kvshot_lib.training import EvalSet, batch_from_target, with_target_kv
 
 D2T = torch.arange(512) * 3
 

@@ -31,8 +31,7 @@ from secret_task import (
     trained_kv_drafter,
 )
 
-from kvshot_lib.training import EvalSet, collate, evaluate_per_step
-from kvshot_lib.training.kv_ablation import with_target_kv
+from kvshot_lib.training import EvalSet, collate, evaluate_per_step, with_target_kv
 
 AT_CHANCE = 0.3  # chance is 1/8; the margin covers the sampling noise of 16 held-out prompts
 

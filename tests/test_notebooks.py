@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from kvshot_lib import cli, plots, runner
-from kvshot_lib.evaluation.speedup import HF_METHODS
+from kvshot_lib.evaluation import HF_METHODS
 from kvshot_lib.target import REPO_ROOT
 from kvshot_lib.training import parse_drafter_specs
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from kvshot_lib.diagnostics import info_probes as ip
-from kvshot_lib.diagnostics import probe_stats
+from kvshot_lib.diagnostics import mean_ci, probe_stats, ratio_ci, slope
 from kvshot_lib.diagnostics import probe_training as pt
-from kvshot_lib.diagnostics.bootstrap import mean_ci, ratio_ci, slope
 
 SMOLLM2_ONE_LAYER = ip.ProbeDims(n_layers=1, hidden=576, n_heads=9, n_kv_heads=3, head_dim=64)
 SMOLLM2_THREE_LAYERS = ip.ProbeDims(n_layers=3, hidden=576, n_heads=9, n_kv_heads=3, head_dim=64)
@@ -46,7 +45,7 @@ def test_a_budget_too_small_for_the_query_map_is_refused():
 
 def _docs(n_docs=3, K=3, dims=TINY, T=20, seed=0):
     g = torch.Generator().manual_seed(seed)
-    from kvshot_lib.diagnostics.probe_data import ProbeDoc
+    from kvshot_lib.diagnostics import ProbeDoc
 
     docs = []
     for i in range(n_docs):

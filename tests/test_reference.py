@@ -171,9 +171,9 @@ def test_init_from_copies_the_shared_parameters(tiny_llama, splits, tmp_path):
     fresh = build_drafter(
         drafter_config_for(tiny_llama, "hybrid", draft_vocab_size=256), tiny_llama, d2t, seed=0
     )
-    from kvshot_lib.training.loop import _new_drafter
+    from kvshot_lib.training import new_drafter
 
-    started = _new_drafter(tiny_llama, *splits, cfg, d2t)
+    started = new_drafter(tiny_llama, *splits, cfg, d2t)
     info = started.cfg.extra["init_from"]
     src = hidden.drafter.state_dict()
     for name in info["copied"]:
@@ -184,4 +184,4 @@ def test_init_from_copies_the_shared_parameters(tiny_llama, splits, tmp_path):
         assert torch.equal(started.state_dict()[name], fresh.state_dict()[name]), name
     wrong = torch.arange(256) * 7  # another draft vocabulary of the same size
     with pytest.raises(ValueError, match="draft vocabulary"):
-        _new_drafter(tiny_llama, *splits, cfg, wrong)
+        new_drafter(tiny_llama, *splits, cfg, wrong)

@@ -11,6 +11,7 @@ from conftest import spread_target
 from transformers import DynamicCache
 
 from kvshot_lib.decoding import (
+    BlockSummaries,
     DecodeConfig,
     PartialKVCache,
     PartialKVConfig,
@@ -19,13 +20,19 @@ from kvshot_lib.decoding import (
     block_scores,
     compact_attention,
     generate,
+    layout,
+    selected_positions,
     specpv_generate,
     speculative_generate,
 )
-from kvshot_lib.decoding.partial_kv import BlockSummaries, layout, selected_positions
-from kvshot_lib.drafters import NgramDrafter, SelfDrafter, resolve_drafter
-from kvshot_lib.drafters.tree_mask import ancestor_matrix, tree_attention_mask
-from kvshot_lib.evaluation.specpv_fidelity import FidelityProbe, rouge_l, shadow_full
+from kvshot_lib.drafters import (
+    NgramDrafter,
+    SelfDrafter,
+    ancestor_matrix,
+    resolve_drafter,
+    tree_attention_mask,
+)
+from kvshot_lib.evaluation import FidelityProbe, rouge_l, shadow_full
 
 SMALL = dict(budget=96, sink=32, window=32)  # R = 2 retrieved blocks of 16
 

@@ -3,9 +3,15 @@
 import pytest
 import torch
 
-from kvshot_lib.drafters import TargetView, build_drafter, drafter_config_for
-from kvshot_lib.drafters.attention import apply_rope, segmented_attention
-from kvshot_lib.drafters.unroll import UnrollContext, ttt_attention_mask
+from kvshot_lib.drafters import (
+    TargetView,
+    UnrollContext,
+    apply_rope,
+    build_drafter,
+    drafter_config_for,
+    segmented_attention,
+    ttt_attention_mask,
+)
 from kvshot_lib.training import batch_from_target, regime_loss
 
 # Rows: (step k, branch i) step-major for n=3 branches, K=3 steps; columns: own keys (step s, index j).

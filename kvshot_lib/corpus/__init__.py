@@ -13,6 +13,7 @@ feature store.
 It hands token ids to decoding and evaluation, and feature stores to training.
 """
 
+from . import long_context
 from .chat import answer_text, chat_prompt_ids, encode_conversation, render_masked, tokenizer_fingerprint
 from .features import FeatureStore, FeatureStoreMismatch, default_store_dir, extract_features
 from .long_context import LongPrompt, context_lengths, long_prompts
@@ -30,12 +31,15 @@ from .sharegpt import (
 )
 
 __all__ = [
+    "long_context",
     "FeatureStore",
     "FeatureStoreMismatch",
     "LongPrompt",
     "MTBenchQuestion",
     "TokenizedSplit",
     "answer_text",
+    "batched_greedy",
+    "cached_regeneration",
     "chat_prompt_ids",
     "context_lengths",
     "conversation_table",
@@ -48,8 +52,6 @@ __all__ = [
     "mtbench_messages",
     "normalize_conversation",
     "read_sharegpt_records",
-    "batched_greedy",
-    "cached_regeneration",
     "regenerate_sharegpt",
     "regenerated_split",
     "render_masked",

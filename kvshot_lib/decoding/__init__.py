@@ -26,7 +26,15 @@ from .engine import (
     walk_tree,
 )
 from .kernels import small_batch_linear
-from .partial_kv import PartialKVCache, PartialKVConfig, block_scores, compact_attention
+from .partial_kv import (
+    BlockSummaries,
+    PartialKVCache,
+    PartialKVConfig,
+    block_scores,
+    compact_attention,
+    layout,
+    selected_positions,
+)
 from .sampling import (
     accept_draft_tokens,
     check_sampling_args,
@@ -39,10 +47,11 @@ from .specpv import SpecPVConfig, SpecPVResult, specpv_generate
 from .tree import DraftTree, draft_chain, draft_dynamic_tree
 
 __all__ = [
-    "MODES",
+    "BlockSummaries",
     "DecodeConfig",
     "DraftTree",
     "GenerationResult",
+    "MODES",
     "PartialKVCache",
     "PartialKVConfig",
     "Prefill",
@@ -51,17 +60,19 @@ __all__ = [
     "accept_draft_tokens",
     "autoregressive_generate",
     "block_scores",
-    "compact_attention",
     "check_sampling_args",
+    "compact_attention",
     "draft_chain",
     "draft_dynamic_tree",
     "generate",
     "keep_block_positions",
+    "layout",
     "logits_to_probs",
     "prefill_prompt",
     "rejection_sample",
     "residual_probs",
     "sample",
+    "selected_positions",
     "small_batch_linear",
     "specpv_generate",
     "speculative_generate",

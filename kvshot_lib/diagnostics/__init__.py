@@ -14,9 +14,11 @@ It reads drafters, the target and the evaluation harness, and hands result table
 
 from . import attention_metrics, bootstrap, explorers, info_probes, probe_stats
 from .attention_metrics import METRICS, all_metrics
+from .bootstrap import mean_ci, ratio_ci, slope
 from .causal_check import (
     causal_alpha,
     causal_summary,
+    mixing_hook,
     run_causal_check,
     sequence_id,
     substitutes,
@@ -24,7 +26,7 @@ from .causal_check import (
 from .drafter_hooks import TargetAttentionRecorder, drafter_queries, head_map, query_in_key_space
 from .explorers import AcceptanceExplorer, AttentionExplorer, has_widget_frontend, show
 from .info_probes import KINDS, ProbeBank, ProbeDims, Readout, probe_widths
-from .probe_data import ProbeData, probe_documents
+from .probe_data import ProbeData, ProbeDoc, probe_documents
 from .probe_stats import information_gap, pairwise_tests, probe_results
 from .probe_training import (
     ProbeConfig,
@@ -35,7 +37,7 @@ from .probe_training import (
     run_probes,
     train_probes,
 )
-from .query_error import ESTIMATORS, SequenceErrors, measure_sequence
+from .query_error import ESTIMATORS, SequenceErrors, measure_sequence, sequence_batch, target_pass
 from .query_tables import (
     QueryErrorTables,
     figure_tables,
@@ -45,16 +47,17 @@ from .query_tables import (
 )
 
 __all__ = [
+    "AcceptanceExplorer",
+    "AttentionExplorer",
     "ESTIMATORS",
     "KINDS",
     "METRICS",
-    "AcceptanceExplorer",
-    "AttentionExplorer",
     "ProbeBank",
     "ProbeConfig",
-    "ProbeRun",
     "ProbeData",
     "ProbeDims",
+    "ProbeDoc",
+    "ProbeRun",
     "QueryErrorTables",
     "Readout",
     "SequenceErrors",
@@ -71,23 +74,29 @@ __all__ = [
     "has_widget_frontend",
     "head_map",
     "info_probes",
-    "kv_reading_drafters",
-    "measure_drafters",
     "information_gap",
+    "kv_reading_drafters",
     "label_index",
+    "mean_ci",
+    "measure_drafters",
     "measure_sequence",
+    "mixing_hook",
     "pairwise_tests",
     "probe_documents",
     "probe_results",
     "probe_stats",
     "probe_widths",
     "query_in_key_space",
+    "ratio_ci",
     "readout_vocab",
     "run_causal_check",
     "run_probes",
+    "sequence_batch",
     "sequence_id",
     "show",
+    "slope",
     "stale_verdict",
     "substitutes",
+    "target_pass",
     "train_probes",
 ]

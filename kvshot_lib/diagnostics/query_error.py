@@ -73,7 +73,7 @@ def target_pass(target, ids: Tensor, kv_layers, hidden_layers=()) -> TargetPass:
     )
 
 
-def _batch(tp: TargetPass, cfg) -> TrainBatch:
+def sequence_batch(tp: TargetPass, cfg) -> TrainBatch:
     """The one-sequence training batch the drafter unrolls over (feature-store layout, float32)."""
     keys = torch.cat([tp.keys[lay].transpose(0, 1) for lay in cfg.kv_layers], dim=1)[None]  # [1, T, nI, D]
     values = torch.cat([tp.values[lay].transpose(0, 1) for lay in cfg.kv_layers], dim=1)[None]
@@ -138,7 +138,7 @@ def measure_sequence(
     A, K = anchors.numel(), n_steps
     valid = (anchors[None] + 2 + torch.arange(K)[:, None]) <= T - 1  # [K, A]
     recorder = TargetAttentionRecorder(rows=anchors)
-    batch = _batch(tp, cfg)
+    batch = sequence_batch(tp, cfg)
     dev = drafter.head.device
     with drafter_queries(drafter) as records:
         un = drafter.forward(batch.to(dev), n_steps, recorder=recorder)

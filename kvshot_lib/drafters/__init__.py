@@ -11,6 +11,7 @@ drafting of a whole block in one forward, with its session in ``block_session.py
 It hands drafter modules to training and drafter sessions (``start_cycle`` / ``expand``) to decoding.
 """
 
+from .attention import Segment, apply_rope, segmented_attention
 from .base import DraftSession, SessionFactory, TargetView
 from .baselines import (
     BASELINES,
@@ -32,37 +33,49 @@ from .config import (
     DrafterTargetMismatch,
     drafter_config_for,
 )
+from .kv import KVDrafter, RecencyBias
+from .session import TrainedDraftSession
 from .tree_mask import ancestor_matrix, tree_attention_mask
+from .unroll import TrainBatch, UnrollContext, ttt_attention_mask
 from .vocab import count_tokens, coverage, draft_vocab_from_counts, target_to_draft, vocab_hash
 
 __all__ = [
     "BASELINES",
-    "EarlyExitDrafter",
-    "NgramDrafter",
-    "RandomDrafter",
-    "SelfDrafter",
-    "ancestor_matrix",
-    "coverage",
-    "drafters_for_run",
-    "is_baseline_name",
-    "resolve_drafter",
-    "tree_attention_mask",
-    "KV_MODES",
-    "PARADIGMS",
-    "REGIMES",
     "DraftSession",
     "DrafterConfig",
     "DrafterConfigError",
     "DrafterTargetMismatch",
+    "EarlyExitDrafter",
+    "KVDrafter",
+    "KV_MODES",
+    "NgramDrafter",
+    "PARADIGMS",
+    "REGIMES",
+    "RandomDrafter",
+    "RecencyBias",
+    "Segment",
+    "SelfDrafter",
     "SessionFactory",
     "TargetView",
+    "TrainBatch",
+    "TrainedDraftSession",
+    "UnrollContext",
+    "ancestor_matrix",
+    "apply_rope",
     "build_drafter",
     "count_tokens",
+    "coverage",
     "draft_vocab_from_counts",
     "drafter_config_for",
+    "drafters_for_run",
+    "is_baseline_name",
     "load_drafter",
     "read_config",
+    "resolve_drafter",
     "save_drafter",
+    "segmented_attention",
     "target_to_draft",
+    "tree_attention_mask",
+    "ttt_attention_mask",
     "vocab_hash",
 ]

@@ -25,7 +25,9 @@ from .acceptance import (
     run_greedy_replay,
 )
 from .bootstrap import bootstrap_acceptance
+from .specpv_fidelity import FidelityProbe, rouge_l, shadow_full
 from .speedup import (
+    HF_METHODS,
     METHODS,
     machine_info,
     machine_name,
@@ -35,22 +37,26 @@ from .speedup import (
 )
 
 __all__ = [
-    "METHODS",
     "AcceptanceRun",
+    "FidelityProbe",
+    "HF_METHODS",
+    "METHODS",
     "Reference",
     "acceptance_summary",
-    "bootstrap_acceptance",
     "acceptance_table",
+    "bootstrap_acceptance",
     "greedy_references",
     "machine_info",
     "machine_name",
     "metrics",
     "mode_configs",
     "replay_greedy",
+    "rouge_l",
     "run_benchmark",
     "run_engine",
     "run_greedy_replay",
     "run_mtbench_benchmark",
+    "shadow_full",
     "specpv_cost",
     "specpv_fidelity",
     "specpv_speed",

@@ -133,9 +133,9 @@ def init_path(plan: Plan, row) -> str | None:
 def calibrate(target, train, held_set, cfg, d2t) -> tuple[float, float]:
     """Seconds per optimizer step and per held-out evaluation, from a throwaway copy of the row's drafter."""
     from ..training import Objective, OnlineBatches, build_optimizer, evaluate_per_step
-    from ..training.loop import _new_drafter
+    from ..training.loop import new_drafter
 
-    drafter = _new_drafter(target, train, held_set, cfg, d2t)
+    drafter = new_drafter(target, train, held_set, cfg, d2t)
     objective, opt = Objective(drafter, cfg), build_optimizer(drafter, cfg)
     loader = OnlineBatches(target, train, drafter.cfg, cfg.batch_size, cfg.seed, max_tokens=cfg.max_tokens)
     sync = torch.cuda.synchronize if target.info.device.startswith("cuda") else (lambda: None)

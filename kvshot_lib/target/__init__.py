@@ -15,6 +15,7 @@ from .loading import (
     DEFAULT_TARGET,
     PRESETS,
     SUPPORTED_FAMILIES,
+    TINY_CONFIG,
     Target,
     TargetInfo,
     TargetLoadError,
@@ -23,12 +24,13 @@ from .loading import (
 )
 
 __all__ = [
+    "Captured",
     "DEFAULT_TARGET",
+    "MissingAssetError",
     "PRESETS",
     "REPO_ROOT",
     "SUPPORTED_FAMILIES",
-    "Captured",
-    "MissingAssetError",
+    "TINY_CONFIG",
     "Target",
     "TargetInfo",
     "TargetLoadError",

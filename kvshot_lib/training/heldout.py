@@ -38,7 +38,7 @@ class EvalSet:
         n = min(n_sequences, len(store))
         fields = store_fields(cfg)
         seqs = [store.sequence(i, fields) for i in range(n)]
-        argmax = _target_argmax(store, target, n)
+        argmax = greedy_targets(store, target, n)
         batches, tops = [], []
         for a in range(0, n, batch_size):
             part = seqs[a : a + batch_size]
@@ -51,7 +51,7 @@ class EvalSet:
         return cls(batches, tops)
 
 
-def _target_argmax(store, target, n: int) -> list[torch.Tensor]:
+def greedy_targets(store, target, n: int) -> list[torch.Tensor]:
     key = json.dumps([store.manifest.get("content_hash"), str(store.path), n, target.info.fingerprint])
     path = (
         assets.cache_dir()

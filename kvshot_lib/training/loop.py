@@ -156,7 +156,7 @@ def train_drafter(
         extra = drafter.cfg.extra
         return TrainResult(drafter, out, cfg, read_logs(out), extra.get("train_seconds", 0.0))
     check_data(cfg, train_store, eval_store)
-    drafter = _new_drafter(target, train_store, eval_store, cfg, d2t)
+    drafter = new_drafter(target, train_store, eval_store, cfg, d2t)
     acc = accelerator or make_accelerator(cfg, target.info.device)
     optimizer = build_optimizer(drafter, cfg)
     start, logs, seconds = _resume_point(out, cfg, drafter, optimizer, resume)
@@ -233,7 +233,7 @@ def _out_of_time(cfg: TrainConfig, t_start: float, acc) -> bool:
     return late
 
 
-def _new_drafter(target, train_store, eval_store, cfg: TrainConfig, d2t: torch.Tensor | None) -> nn.Module:
+def new_drafter(target, train_store, eval_store, cfg: TrainConfig, d2t: torch.Tensor | None) -> nn.Module:
     """A freshly initialized drafter for ``cfg``, after checking that both feature stores fit it."""
     info = target.info
     dcfg = drafter_config_for(

@@ -32,8 +32,12 @@ from kvshot_lib.drafters import count_tokens, coverage  # noqa: E402
 from kvshot_lib.evaluation import speedup  # noqa: E402
 from kvshot_lib.runner import NOTEBOOK_DIR, load_profile, notebook_parameters  # noqa: E402
 from kvshot_lib.target import load_target  # noqa: E402
-from kvshot_lib.training import build_draft_vocab, parse_drafter_specs, train_drafter  # noqa: E402
-from kvshot_lib.training.heldout import _target_argmax  # noqa: E402
+from kvshot_lib.training import (  # noqa: E402
+    build_draft_vocab,
+    greedy_targets,  # noqa: E402
+    parse_drafter_specs,
+    train_drafter,
+)
 
 RESULTS = ROOT / "scripts" / "reference" / "results"
 SHARED_KEYS = (
@@ -124,7 +128,7 @@ def study_vocab(args, params, shared) -> None:
     greedy = torch.zeros(
         V, dtype=torch.int64
     )  # the target's greedy next token at every held-out assistant position
-    for i, top in enumerate(_target_argmax(eval_store, tgt, len(eval_store))):
+    for i, top in enumerate(greedy_targets(eval_store, tgt, len(eval_store))):
         mask = eval_store.sequence(i, ["loss_mask"])["loss_mask"].bool()
         want = top[:-1][mask[1:]]  # position t predicts token t+1, counted where t+1 is an assistant token
         greedy += torch.bincount(want, minlength=V)[:V]
