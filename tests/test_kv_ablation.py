@@ -88,3 +88,15 @@ def test_recency_bias_picks_the_most_recent_target_position():
     torch.testing.assert_close(out[:, :, 0], v[:, :, 2], atol=1e-6, rtol=0)
     torch.testing.assert_close(out[:, :, 1], v[:, :, 5], atol=1e-6, rtol=0)
     assert rec(torch.tensor([[1, 4, 5, 90]])).shape == (2, 1, 4)  # distances past the window share a bucket
+
+
+def test_a_zeroed_control_gets_its_own_name_and_folder():
+    from kvshot_lib.training import TrainConfig
+
+    assert TrainConfig(paradigm="kv", regime="ttt").name == "kv-ttt"
+    assert TrainConfig(paradigm="kv", regime="ttt", target_kv="zeroed").name == "kv-ttt-zeroed"
+    assert (
+        TrainConfig(paradigm="block", context="kv", regime="parallel", target_kv="zeroed").name
+        == "block-kv-zeroed"
+    )
+    assert TrainConfig(paradigm="kv", regime="tf", target_kv="zeroed", name="mine").name == "mine"  # a given name is kept

@@ -26,8 +26,13 @@ GROUP_COLORS = {  # parameter groups (notebook 05); the K/V projections in the K
 }
 
 
-def _style(name: str, paradigm: str, regime: str) -> dict:
-    return dict(color=drafter_color(name, paradigm), ls=REGIME_STYLES.get(regime, "-"))
+def _style(name: str, paradigm: str, regime: str, target_kv: str = "real") -> dict:
+    """Colour by paradigm, line by regime; a control trained with the target KV zeroed is drawn faded, with
+    hollow markers, beside the drafter it controls."""
+    style = dict(color=drafter_color(name, paradigm), ls=REGIME_STYLES.get(regime, "-"))
+    if target_kv == "zeroed":
+        style.update(alpha=0.55, markerfacecolor="white")
+    return style
 
 
 def wilson_interval(p, n, z: float = 1.96):
@@ -38,16 +43,24 @@ def wilson_interval(p, n, z: float = 1.96):
     return centre - half, centre + half
 
 
-def _drafters(df: pd.DataFrame) -> list[tuple[str, str, str]]:
-    return list(df[["drafter", "paradigm", "regime"]].drop_duplicates().itertuples(index=False, name=None))
+def _drafters(df: pd.DataFrame) -> list[tuple[str, str, str, str]]:
+    """(drafter, paradigm, regime, target_kv) in table order; tables written before controls existed are "real"."""
+    df = df if "target_kv" in df else df.assign(target_kv="real")
+    cols = ["drafter", "paradigm", "regime", "target_kv"]
+    return list(df[cols].drop_duplicates().itertuples(index=False, name=None))
+
+
+def _legend_outside(fig, ax) -> None:
+    """One legend for the figure, right of the axes, so that it never covers a curve."""
+    fig.legend(*ax.get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
 
 
 def plot_training_curves(history: pd.DataFrame, smooth: int = 10):
     """Training loss and training step-0 agreement with the target, per drafter, against optimizer steps."""
     fig, axes = plt.subplots(1, 2, figsize=(PAGE, 2.6))
-    for name, paradigm, regime in _drafters(history):
+    for name, *style in _drafters(history):
         h = history[history["drafter"] == name].sort_values("step")
-        kw = dict(**_style(name, paradigm, regime), label=name, lw=1.4)
+        kw = dict(**_style(name, *style), label=name, lw=1.4)
         axes[0].plot(h["step"], h["loss"].rolling(smooth, min_periods=1).mean(), **kw)
         axes[1].plot(h["step"], h["acc_0"].rolling(smooth, min_periods=1).mean(), **kw)
     axes[0].set_yscale("log")
@@ -56,25 +69,25 @@ def plot_training_curves(history: pd.DataFrame, smooth: int = 10):
     for ax in axes:
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
-    axes[1].legend(frameon=False)
     fig.suptitle(
         "Drafter training (color: paradigm, line: regime — dotted tf, solid TTT, dashed TTT-dense, "
-        "dash-dot parallel)"
+        "dash-dot parallel; faded: trained with the target KV zeroed)"
     )
     fig.tight_layout()
+    _legend_outside(fig, axes[1])
     return fig
 
 
 def plot_per_step_accuracy(per_step: pd.DataFrame):
     """Held-out accuracy by draft step k (left) and retention acc_k / acc_0 (right), per drafter."""
     fig, axes = plt.subplots(1, 2, figsize=(PAGE, 2.7))
-    for name, paradigm, regime in _drafters(per_step):
+    for name, *style in _drafters(per_step):
         d = per_step[per_step["drafter"] == name].sort_values("draft_step")
-        kw = dict(**_style(name, paradigm, regime), marker="o", label=name)
+        kw = dict(**_style(name, *style), marker="o", label=name)
         axes[0].plot(d["draft_step"], d["accuracy"], **kw)
         if "n" in d:
             lo, hi = wilson_interval(d["accuracy"], d["n"])
-            axes[0].fill_between(d["draft_step"], lo, hi, color=kw["color"], alpha=0.15, lw=0)
+            axes[0].fill_between(d["draft_step"], lo, hi, color=kw["color"], alpha=0.12, lw=0)
         axes[1].plot(d["draft_step"], d["accuracy"] / d["accuracy"].iloc[0], **kw)
     if "ceiling" in per_step and per_step["ceiling"].notna().any():
         axes[0].set_title(
@@ -86,9 +99,9 @@ def plot_per_step_accuracy(per_step: pd.DataFrame):
     for ax in axes:
         ax.set_xlabel("draft step k")
         ax.grid(alpha=0.3)
-    axes[0].legend(frameon=False)
     fig.suptitle("Long-range decay: per-step accuracy on held-out ShareGPT (teacher-forced prefix)")
     fig.tight_layout()
+    _legend_outside(fig, axes[0])
     return fig
 
 
@@ -128,17 +141,22 @@ def plot_kv_ablation(table: pd.DataFrame):
                 c["accuracy"],
                 color=drafter_color("none"),
                 marker="s",
-                label=f"control: {cname}\n(trained with KV zeroed)",
+                label=f"control: {cname}",
             )
             lo, hi = wilson_interval(c["accuracy"], c["n"])
             ax.fill_between(c["draft_step"], lo, hi, color=drafter_color("none"), alpha=0.2, lw=0)
         ax.set_title(name)
         ax.set_xlabel("draft step k")
-        ax.set_ylim(0, None)
-        ax.legend(frameon=False)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylim(0, 1.08 * table["accuracy"].max())
     axes[0][0].set_ylabel("held-out accuracy at draft step k")
     fig.suptitle("Does the drafter read what the target's KV holds? (same held-out positions)")
     fig.tight_layout()
+    handles = {}  # one entry per condition and per control, in the colour of the first panel that has it
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label if label.startswith("KV ") else "control (trained with KV zeroed)", h)
+    fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     return fig
 
 
@@ -147,15 +165,15 @@ def plot_heldout_over_training(evals: pd.DataFrame, steps: tuple[int, ...] = (0,
     steps = [k for k in steps if f"acc_{k}" in evals]
     fig, axes = plt.subplots(1, len(steps), figsize=(PAGE, 2.4), sharey=True, squeeze=False)
     for ax, k in zip(axes[0], steps):
-        for name, paradigm, regime in _drafters(evals):
+        for name, *style in _drafters(evals):
             e = evals[evals["drafter"] == name].sort_values("step")
-            ax.plot(e["step"], e[f"acc_{k}"], **_style(name, paradigm, regime), marker=".", label=name)
+            ax.plot(e["step"], e[f"acc_{k}"], **_style(name, *style), marker=".", label=name)
         ax.set_title(f"draft step {k}")
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("held-out accuracy")
-    axes[0][-1].legend(frameon=False)
     fig.tight_layout()
+    _legend_outside(fig, axes[0][-1])
     return fig
 
 
@@ -179,7 +197,7 @@ def plot_grad_group_stats(probes: pd.DataFrame, stats=("rms", "frac_small", "hoy
         "hoyer": "Hoyer sparsity",
         "position_share": "share of positions\nwith any gradient",
     }
-    for j, (name, _, _) in enumerate(names):
+    for j, (name, *_) in enumerate(names):
         d = probes[probes["drafter"] == name]
         for group, g in d.groupby("group"):
             g = g.sort_values("step")
@@ -236,7 +254,7 @@ def plot_kv_position_gradients(samples: pd.DataFrame, kv_positions: pd.DataFrame
     names = _drafters(samples)
     fig, axes = plt.subplots(1, len(names), figsize=(max(PAGE, 2.4 * len(names)), 2.6), squeeze=False)
     cmap = plt.get_cmap("viridis")
-    for ax, (name, _, _) in zip(axes[0], names):
+    for ax, (name, *_) in zip(axes[0], names):
         d = samples[(samples["drafter"] == name) & (samples["layer"] == 0)]
         rho = {}
         if kv_positions is not None:

@@ -106,6 +106,8 @@ class TrainConfig:
             self.name = (
                 f"block-{self.context}" if self.paradigm == "block" else f"{self.paradigm}-{self.regime}"
             )
+            if self.target_kv == "zeroed":  # the control does not overwrite the drafter it controls
+                self.name += "-zeroed"
         self.adam_betas = tuple(self.adam_betas)
         if self.kv_recency is None:
             self.kv_recency = 32 if self.paradigm == "kv" else 0

@@ -153,6 +153,7 @@ def per_step_table(results) -> pd.DataFrame:
                     drafter=c.name,
                     paradigm=c.paradigm,
                     regime=c.regime,
+                    target_kv=c.target_kv,
                     kv_mode=c.kv_mode,
                     n_layers=c.n_layers,
                     draft_step=k,
@@ -199,7 +200,12 @@ def budget_note(results_dir) -> str:
 def combined_table(results, name: str) -> pd.DataFrame:
     """One log table (``history``, ``eval``, ``grad_probes``, ...) of several runs, stacked."""
     frames = [
-        r.table(name).assign(drafter=r.config.name, paradigm=r.config.paradigm, regime=r.config.regime)
+        r.table(name).assign(
+            drafter=r.config.name,
+            paradigm=r.config.paradigm,
+            regime=r.config.regime,
+            target_kv=r.config.target_kv,
+        )
         for r in results
         if r.logs.get(name)
     ]
