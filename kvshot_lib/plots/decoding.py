@@ -81,7 +81,7 @@ def plot_mat_by_drafter(summary: pd.DataFrame, title: str = "Mean accepted token
     ax.set_xticks(x, drafters, rotation=30, ha="right")
     ax.set_ylabel("MAT τ (accepted drafts + bonus,\ntokens per cycle)")
     ax.set_title(title)
-    ax.legend(frameon=False)
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
 
