@@ -260,6 +260,14 @@ def plot_kv_position_gradients(samples: pd.DataFrame, kv_positions: pd.DataFrame
         if kv_positions is not None:
             kp = kv_positions[(kv_positions["drafter"] == name) & (kv_positions["layer"] == 0)]
             rho = {r.own_step: r.spearman_k for r in kp[kp["step"] == kp["step"].max()].itertuples()}
+        ax.set_title(name)
+        ax.set_xlabel("attention received (sum over heads and queries)")
+        ax.grid(alpha=0.3)
+        if not ((d["received"] > 0) & (d["grad_k"] > 0)).any():
+            # e.g. teacher forcing with a softmax of its own: each query has one own key, which gets all the
+            # weight whatever its value, so no gradient reaches it
+            ax.text(0.5, 0.5, "no key gets a gradient", ha="center", va="center", transform=ax.transAxes)
+            continue
         top = max(1, int(d["own_step"].max()))
         for step, g in d.groupby("own_step"):
             ok = (g["received"] > 0) & (g["grad_k"] > 0)
@@ -267,11 +275,8 @@ def plot_kv_position_gradients(samples: pd.DataFrame, kv_positions: pd.DataFrame
             ax.scatter(
                 g["received"][ok], g["grad_k"][ok], s=5, alpha=0.5, color=cmap(step / top), label=label
             )
-        ax.set_title(name)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("attention received (sum over heads and queries)")
-        ax.grid(alpha=0.3)
         ax.legend(frameon=False, markerscale=3)
     axes[0][0].set_ylabel("‖∂L/∂k‖ at that position (L2)")
     fig.suptitle("The drafter's own keys (layer 0, last probe): gradient follows the attention they receive")
