@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import seaborn as sns
+from matplotlib.ticker import LogLocator, NullFormatter
 
 from .style import PAGE, REGIME_STYLES, drafter_color
 
@@ -252,21 +253,34 @@ def plot_kv_position_gradients(samples: pd.DataFrame, kv_positions: pd.DataFrame
     The legend gives, per step, the Spearman correlation between the two over all positions of the last probe.
     """
     names = _drafters(samples)
-    fig, axes = plt.subplots(1, len(names), figsize=(max(PAGE, 2.4 * len(names)), 2.6), squeeze=False)
+    ncols = min(5, len(names))
+    nrows = -(-len(names) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(PAGE, 2.3 * nrows), squeeze=False)
+    for ax in axes.flat[len(names) :]:
+        ax.set_visible(False)
     cmap = plt.get_cmap("viridis")
-    for ax, (name, *_) in zip(axes[0], names):
+    for ax, (name, *_) in zip(axes.flat, names):
         d = samples[(samples["drafter"] == name) & (samples["layer"] == 0)]
         rho = {}
         if kv_positions is not None:
             kp = kv_positions[(kv_positions["drafter"] == name) & (kv_positions["layer"] == 0)]
             rho = {r.own_step: r.spearman_k for r in kp[kp["step"] == kp["step"].max()].itertuples()}
         ax.set_title(name)
-        ax.set_xlabel("attention received (sum over heads and queries)")
         ax.grid(alpha=0.3)
         if not ((d["received"] > 0) & (d["grad_k"] > 0)).any():
             # e.g. teacher forcing with a softmax of its own: each query has one own key, which gets all the
             # weight whatever its value, so no gradient reaches it
-            ax.text(0.5, 0.5, "no key gets a gradient", ha="center", va="center", transform=ax.transAxes)
+            ax.text(
+                0.5,
+                0.5,
+                "no key gets\na gradient",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                fontsize=7,
+            )
+            ax.set_xticks([])
+            ax.set_yticks([])
             continue
         top = max(1, int(d["own_step"].max()))
         for step, g in d.groupby("own_step"):
@@ -277,8 +291,12 @@ def plot_kv_position_gradients(samples: pd.DataFrame, kv_positions: pd.DataFrame
             )
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.legend(frameon=False, markerscale=3)
-    axes[0][0].set_ylabel("‖∂L/∂k‖ at that position (L2)")
+        ax.xaxis.set_major_locator(LogLocator(numticks=4))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.legend(frameon=False, markerscale=2, fontsize=4.5, handletextpad=0.1, borderaxespad=0.1)
+    for row in axes:
+        row[0].set_ylabel("‖∂L/∂k‖ at that position")
+    fig.supxlabel("attention the position receives (sum over heads and queries)", fontsize=8)
     fig.suptitle("The drafter's own keys (layer 0, last probe): gradient follows the attention they receive")
     fig.tight_layout()
     return fig
