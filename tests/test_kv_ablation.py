@@ -99,4 +99,6 @@ def test_a_zeroed_control_gets_its_own_name_and_folder():
         TrainConfig(paradigm="block", context="kv", regime="parallel", target_kv="zeroed").name
         == "block-kv-zeroed"
     )
-    assert TrainConfig(paradigm="kv", regime="tf", target_kv="zeroed", name="mine").name == "mine"  # a given name is kept
+    assert (
+        TrainConfig(paradigm="kv", regime="tf", target_kv="zeroed", name="mine").name == "mine"
+    )  # a given name is kept
