@@ -51,9 +51,9 @@ def _drafters(df: pd.DataFrame) -> list[tuple[str, str, str, str]]:
     return list(df[cols].drop_duplicates().itertuples(index=False, name=None))
 
 
-def _legend_outside(fig, ax) -> None:
+def _legend_outside(fig, handles, labels) -> None:
     """One legend for the figure, right of the axes, so that it never covers a curve."""
-    fig.legend(*ax.get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
 
 
 def plot_training_curves(history: pd.DataFrame, smooth: int = 10):
@@ -75,7 +75,7 @@ def plot_training_curves(history: pd.DataFrame, smooth: int = 10):
         "dash-dot parallel; faded: trained with the target KV zeroed)"
     )
     fig.tight_layout()
-    _legend_outside(fig, axes[1])
+    _legend_outside(fig, *axes[1].get_legend_handles_labels())
     return fig
 
 
@@ -102,7 +102,7 @@ def plot_per_step_accuracy(per_step: pd.DataFrame):
         ax.grid(alpha=0.3)
     fig.suptitle("Long-range decay: per-step accuracy on held-out ShareGPT (teacher-forced prefix)")
     fig.tight_layout()
-    _legend_outside(fig, axes[0])
+    _legend_outside(fig, *axes[0].get_legend_handles_labels())
     return fig
 
 
@@ -135,14 +135,14 @@ def plot_kv_ablation(table: pd.DataFrame):
         same = controls[
             (controls["paradigm"] == d["paradigm"].iloc[0]) & (controls["regime"] == d["regime"].iloc[0])
         ]
-        for cname, c in same.groupby("drafter", sort=False):
+        for _, c in same.groupby("drafter", sort=False):
             c = c.sort_values("draft_step")
             ax.plot(
                 c["draft_step"],
                 c["accuracy"],
                 color=drafter_color("none"),
                 marker="s",
-                label=f"control: {cname}",
+                label="control (trained with KV zeroed)",
             )
             lo, hi = wilson_interval(c["accuracy"], c["n"])
             ax.fill_between(c["draft_step"], lo, hi, color=drafter_color("none"), alpha=0.2, lw=0)
@@ -153,11 +153,11 @@ def plot_kv_ablation(table: pd.DataFrame):
     axes[0][0].set_ylabel("held-out accuracy at draft step k")
     fig.suptitle("Does the drafter read what the target's KV holds? (same held-out positions)")
     fig.tight_layout()
-    handles = {}  # one entry per condition and per control, in the colour of the first panel that has it
+    handles = {}  # one entry per label, in the colour of the first panel that has it
     for ax in axes[0]:
         for h, label in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(label if label.startswith("KV ") else "control (trained with KV zeroed)", h)
-    fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+            handles.setdefault(label, h)
+    _legend_outside(fig, list(handles.values()), list(handles))
     return fig
 
 
@@ -174,7 +174,7 @@ def plot_heldout_over_training(evals: pd.DataFrame, steps: tuple[int, ...] = (0,
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("held-out accuracy")
     fig.tight_layout()
-    _legend_outside(fig, axes[0][-1])
+    _legend_outside(fig, *axes[0][-1].get_legend_handles_labels())
     return fig
 
 
