@@ -102,3 +102,16 @@ def test_a_zeroed_control_gets_its_own_name_and_folder():
     assert (
         TrainConfig(paradigm="kv", regime="tf", target_kv="zeroed", name="mine").name == "mine"
     )  # a given name is kept
+
+
+def test_the_ablation_figure_states_the_margin_over_the_control():
+    import pandas as pd
+
+    from kvshot_lib.plots import training as plots_training
+
+    real = pd.DataFrame(dict(draft_step=[0, 1], accuracy=[0.5, 0.2], n=[1000, 1000]))
+    control = pd.DataFrame(dict(draft_step=[1, 0], accuracy=[0.19, 0.3], n=[1000, 1000]))
+    # step 0: 0.5 vs 0.3, Wilson half-widths ~0.03 -> apart; step 1: 0.2 vs 0.19 -> overlapping
+    assert plots_training._margin_over_control(real, control) == (
+        "real − control: +0.010 to +0.200\nintervals apart at 1 of 2 steps"
+    )

@@ -109,6 +109,20 @@ def plot_per_step_accuracy(per_step: pd.DataFrame):
 CONDITION_STYLES = {"real": "-", "shuffled": "--", "zeroed": ":"}
 
 
+def _margin_over_control(real: pd.DataFrame, control: pd.DataFrame) -> str:
+    """What a panel of ``plot_kv_ablation`` shows, in words: the drafter's lead over its control by step, and at
+    how many steps their 95% Wilson intervals are apart."""
+    r, c = (x.set_index("draft_step").sort_index() for x in (real, control))
+    r, c = r.loc[r.index.intersection(c.index)], c.loc[r.index.intersection(c.index)]
+    lead = r["accuracy"] - c["accuracy"]
+    (r_lo, r_hi), (c_lo, c_hi) = (
+        wilson_interval(r["accuracy"], r["n"]),
+        wilson_interval(c["accuracy"], c["n"]),
+    )
+    apart = int(((r_lo > c_hi) | (r_hi < c_lo)).sum())
+    return f"real − control: {lead.min():+.3f} to {lead.max():+.3f}\nintervals apart at {apart} of {len(lead)} steps"
+
+
 def plot_kv_ablation(table: pd.DataFrame):
     """One panel per KV-reading drafter: held-out accuracy by draft step with the target KV real, shuffled
     (another conversation's) and zeroed, with 95% Wilson bands; a drafter trained with the KV zeroed (the
@@ -146,6 +160,13 @@ def plot_kv_ablation(table: pd.DataFrame):
             )
             lo, hi = wilson_interval(c["accuracy"], c["n"])
             ax.fill_between(c["draft_step"], lo, hi, color=drafter_color("none"), alpha=0.2, lw=0)
+            ax.text(
+                0.03,
+                0.03,
+                _margin_over_control(d[d["condition"] == "real"], c),
+                transform=ax.transAxes,
+                fontsize=5.5,
+            )
         ax.set_title(name)
         ax.set_xlabel("draft step k")
         ax.grid(alpha=0.3)
