@@ -306,6 +306,24 @@ def _verify(tree: DraftTree, logits: Tensor, cfg: DecodeConfig, gen, d2t, result
     return walk_tree(tree, lambda b: _choose(logits[b], cfg, gen), result)
 
 
+def draft_cycle(session, cfg: DecodeConfig, committed: Tensor, view, cap: int, gen) -> DraftTree:
+    """One cycle's drafts: a chain or a dynamic tree of at most ``cap`` tokens below the root ``committed[-1]``."""
+    if cfg.mode == "chain":
+        depth = min(cfg.chain_depth, cap)
+        return draft_chain(session, committed, view, depth, cfg.temperature, cfg.top_k, cfg.top_p, gen)
+    return draft_dynamic_tree(
+        session,
+        committed,
+        view,
+        min(cfg.tree_depth, cap),
+        cfg.tree_top_k,
+        cfg.tree_budget,
+        cfg.temperature,
+        cfg.top_k,
+        cfg.top_p,
+    )
+
+
 def speculative_generate(
     target,
     drafter,
@@ -354,29 +372,7 @@ def _speculative(target, drafter, prompt_ids, cfg: DecodeConfig, on_cycle, prefi
         tree = DraftTree()
         if cap > 0:
             view = TargetView(cache=cache, hidden=pending)
-            if cfg.mode == "chain":
-                tree = draft_chain(
-                    session,
-                    committed[:, : P + 1],
-                    view,
-                    min(cfg.chain_depth, cap),
-                    cfg.temperature,
-                    cfg.top_k,
-                    cfg.top_p,
-                    gen,
-                )
-            else:
-                tree = draft_dynamic_tree(
-                    session,
-                    committed[:, : P + 1],
-                    view,
-                    min(cfg.tree_depth, cap),
-                    cfg.tree_top_k,
-                    cfg.tree_budget,
-                    cfg.temperature,
-                    cfg.top_k,
-                    cfg.top_p,
-                )
+            tree = draft_cycle(session, cfg, committed[:, : P + 1], view, cap, gen)
             session.end_cycle()
             pending = {}
         t_verify = time.perf_counter()

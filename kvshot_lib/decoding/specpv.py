@@ -48,13 +48,14 @@ from .engine import (
     _choose,
     _commit,
     _verify,
+    draft_cycle,
     keep_block_positions,
     start_prompt,
 )
 from .kernels import small_batch_linear
 from .partial_kv import PartialKVCache, PartialKVConfig, compact_attention_mode
 from .sampling import accept_draft_tokens, logits_to_probs, residual_probs, sample
-from .tree import DraftTree, draft_chain, draft_dynamic_tree
+from .tree import DraftTree
 
 VERIFY_MODES = ("specpv", "strict")
 
@@ -155,23 +156,6 @@ class PendingView:
         return self._len
 
 
-def _draft(session, cfg: DecodeConfig, committed: Tensor, view, cap: int, gen) -> DraftTree:
-    if cfg.mode == "chain":
-        depth = min(cfg.chain_depth, cap)
-        return draft_chain(session, committed, view, depth, cfg.temperature, cfg.top_k, cfg.top_p, gen)
-    return draft_dynamic_tree(
-        session,
-        committed,
-        view,
-        min(cfg.tree_depth, cap),
-        cfg.tree_top_k,
-        cfg.tree_budget,
-        cfg.temperature,
-        cfg.top_k,
-        cfg.top_p,
-    )
-
-
 def specpv_generate(
     target,
     drafter,
@@ -236,7 +220,7 @@ def _specpv(target, drafter, prompt_ids, cfg, pv, on_partial, on_full, prefill) 
         tree = DraftTree()
         if cap > 0 and session is not None:
             view = TargetView(cache=full if P == F else PendingView(full, partial), hidden=hidden)
-            tree = _draft(session, cfg, committed[:, : P + 1], view, cap, gen)
+            tree = draft_cycle(session, cfg, committed[:, : P + 1], view, cap, gen)
             session.end_cycle()
             hidden = {}
         t_verify = time.perf_counter()
