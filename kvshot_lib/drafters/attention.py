@@ -31,9 +31,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(var + self.eps) * self.weight
+    def forward(self, x: Tensor) -> Tensor:  # normalized in float32, returned in x's dtype
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -92,9 +92,12 @@ def segmented_attention(q: Tensor, segments: list[Segment], recorder=None) -> Te
     for s in segments:
         if s.kind == "dense":
             sc = qg @ s.k.transpose(-1, -2)  # [B, kvH, g*n, S]
-            if s.bias is not None:
-                sc = sc + s.bias.reshape(1, kvh, g * n, -1)  # [h, n, S] -> [1, kvH, g*n, S]
-            if s.mask is not None:
+            if s.bias is not None:  # the mask goes into the (batch-free) bias: one pass over the scores
+                bias = s.bias.to(sc.dtype)  # [h, n, S]
+                if s.mask is not None and s.mask.dim() == 2:
+                    bias = bias.masked_fill(~s.mask, float("-inf"))
+                sc = sc + bias.reshape(1, kvh, g * n, -1)  # [1, kvH, g*n, S]
+            if s.mask is not None and (s.bias is None or s.mask.dim() != 2):
                 sc = sc.view(B, kvh, g, n, -1).masked_fill_(~s.mask, float("-inf")).view(B, kvh, g * n, -1)
         elif s.kind == "block":
             L = s.size

@@ -163,10 +163,11 @@ class BlockDrafter(TrainableDrafter):
         visible = (keys[None, None] <= anchors.repeat_interleave(L, dim=1)[:, :, None])[:, None, None]
         injected = {}
         if self.cfg.uses_target_kv:
-            injected = self.inject(
-                batch.keys.float(), batch.values.float(), keys
-            )  # layer -> [B, heads, T, D]
-        fused = self.fuse(batch.hidden.float().to(dev)) if self.cfg.uses_hidden else None  # [B, T, H]
+            dt = self.compute_dtype()
+            injected = self.inject(batch.keys.to(dt), batch.values.to(dt), keys)  # layer -> [B, heads, T, D]
+        fused = (
+            self.fuse(batch.hidden.to(dev, self.compute_dtype())) if self.cfg.uses_hidden else None
+        )  # [B, T, H]
         if recorder is not None and hasattr(recorder, "register_rows"):
             valid = keys[None, :N] < (batch.lengths[:, None].to(dev) - 1)  # [B, N] real branches
             recorder.register_rows(valid.gather(1, anchors).repeat_interleave(L, dim=1))  # [B, M*L]

@@ -82,16 +82,25 @@ class TrainableDrafter(nn.Module):
     def hidden_layers(self) -> tuple[int, ...]:
         return self.cfg.hidden_layers if self.cfg.uses_hidden else ()
 
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype activations run in: autocast's while it is on for the drafter's device (bf16 on a CPU
+        that has it, see :mod:`kvshot_lib.target.precision`), else the head's (float32). Every input the
+        drafter reads (embeddings, target K/V and features, RoPE tables) enters in it, so no elementwise op
+        silently promotes a bf16 step back to float32."""
+        dev = self.head.device.type
+        return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.head.dtype
+
     def embed(self, ids: Tensor) -> Tensor:
         w = self._frozen.embed_weight
-        return nn.functional.embedding(ids.to(w.device), w).to(self.head.dtype)  # [..., H]
+        return nn.functional.embedding(ids.to(w.device), w).to(self.compute_dtype())  # [..., H]
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin for ``positions [n]``: each ``[1, 1, n, D]`` (broadcast over batch and heads)."""
         need = int(positions.max().item()) + 1 if positions.numel() else 1
         if self._cos.shape[0] < need:
             self._rope_table(max(need, 2 * self._cos.shape[0], 4096))
-        return self._cos[positions][None, None], self._sin[positions][None, None]
+        dt = self.compute_dtype()
+        return self._cos[positions][None, None].to(dt), self._sin[positions][None, None].to(dt)
 
     def _rope_table(self, n: int) -> None:
         pos = torch.arange(n, device=self.head.device)[None]  # [1, n]
@@ -145,7 +154,8 @@ class TrainableDrafter(nn.Module):
         dev = self.head.device
         injected = {}
         if self.cfg.uses_target_kv:
-            injected = self.inject(batch.keys.float(), batch.values.float(), torch.arange(T, device=dev))
+            dt = self.compute_dtype()
+            injected = self.inject(batch.keys.to(dt), batch.values.to(dt), torch.arange(T, device=dev))
         ctx = UnrollContext(
             N,
             dev,
@@ -156,7 +166,9 @@ class TrainableDrafter(nn.Module):
             branches=branches,
         )
         pos = torch.arange(1, T, device=dev)  # index i -> position i+1  [N]
-        fused = self.fuse(batch.hidden[:, :N].float()) if self.cfg.uses_hidden else None  # [B, N, H]
+        fused = (
+            self.fuse(batch.hidden[:, :N].to(self.compute_dtype())) if self.cfg.uses_hidden else None
+        )  # [B, N, H]
         feat, outs, rows = fused, [], []
         for k in range(n_steps):
             sel = None if k == 0 else branches

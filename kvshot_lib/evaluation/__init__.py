@@ -7,6 +7,8 @@
 * SpecPV at long context: :mod:`.specpv_fidelity` (exact match, divergence, top-1 agreement, KL, hidden
   cosine by distance, ROUGE-L against lossless decoding), :mod:`.specpv_speed` (decode tokens/s, phase
   times, MAT by verification kind, in one run) and :mod:`.specpv_cost` (the fitted cost model, crossover);
+* :mod:`.learning_curves`: held-out accuracy and MAT against training tokens, saturating fits with their
+  asymptotes, and the gaps between paradigms by budget with their trends;
 * :mod:`.bootstrap` gives 95% intervals of acceptance metrics by resampling generations.
 
 It hands result tables (one row per drafter, mode, step or method) to the plots.
@@ -25,6 +27,16 @@ from .acceptance import (
     run_greedy_replay,
 )
 from .bootstrap import bootstrap_acceptance
+from .learning_curves import (
+    CURVE_METRICS,
+    asymptotes,
+    comparison_pairs,
+    curve_table,
+    fit_saturating,
+    gap_by_budget,
+    gap_trend,
+    gap_trends,
+)
 from .specpv_fidelity import FidelityProbe, rouge_l, shadow_full
 from .speedup import (
     HF_METHODS,
@@ -37,6 +49,14 @@ from .speedup import (
 )
 
 __all__ = [
+    "CURVE_METRICS",
+    "asymptotes",
+    "comparison_pairs",
+    "curve_table",
+    "fit_saturating",
+    "gap_by_budget",
+    "gap_trend",
+    "gap_trends",
     "AcceptanceRun",
     "FidelityProbe",
     "HF_METHODS",

@@ -3,7 +3,9 @@
 * :func:`load_target` gives a :class:`Target` (model, tokenizer, :class:`TargetInfo`) for a preset
   (``smollm2-135m``, ``tiny-llama``, ``tiny-qwen3``), a Hugging Face id or a local folder;
 * :func:`capture` records hidden states, post-RoPE K/V and post-RoPE queries through transformers' own
-  seams, and undoes every hook on exit.
+  seams, and undoes every hook on exit;
+* :mod:`.precision`: ``mixed_precision: auto`` resolved against the hardware (bf16 on a CPU with AMX-BF16 or
+  AVX512-BF16), the one ``autocast`` every stage runs under, and the machine record every table carries.
 
 It hands the loaded target and the captured tensors to ``corpus`` (feature extraction) and everything after.
 """
@@ -22,9 +24,20 @@ from .loading import (
     load_target,
     smollm2_tokenizer,
 )
+from .precision import (
+    PRECISIONS,
+    PrecisionError,
+    autocast,
+    bf16_isa,
+    cpu_model,
+    machine_record,
+    resolve_precision,
+)
 
 __all__ = [
     "Captured",
+    "PRECISIONS",
+    "PrecisionError",
     "DEFAULT_TARGET",
     "MissingAssetError",
     "PRESETS",
@@ -35,9 +48,14 @@ __all__ = [
     "TargetInfo",
     "TargetLoadError",
     "assets",
+    "autocast",
+    "bf16_isa",
     "cache_dir",
     "capture",
+    "cpu_model",
     "decoder_layers",
     "load_target",
+    "machine_record",
+    "resolve_precision",
     "smollm2_tokenizer",
 ]

@@ -15,6 +15,7 @@ evaluation and the plots.
 from .batches import BatchOrder, StoreBatches, batch_from_target, collate, target_sequence
 from .config import DATA_SOURCES, TrainConfig, TrainConfigError, parse_drafter_specs
 from .convergence import EarlyStopping, heldout_acceptance, plateau, run_summary
+from .curves import SCHEDULES, curve_steps, lr_factor
 from .data import check_data, init_from_checkpoint
 from .grad_probes import (
     GROUPS,
@@ -34,6 +35,7 @@ from .heldout import (
     evaluate_per_step,
     gate_summary,
     greedy_targets,
+    machine_of,
     per_step_table,
     training_times,
 )
@@ -53,6 +55,9 @@ from .losses import branch_valid, regime_loss, sample_anchors, sample_branches, 
 from .online import OnlineBatches, online_eval_set, target_batch
 
 __all__ = [
+    "SCHEDULES",
+    "curve_steps",
+    "lr_factor",
     "BatchOrder",
     "DATA_SOURCES",
     "EarlyStopping",
@@ -78,6 +83,7 @@ __all__ = [
     "combined_table",
     "evaluate_per_step",
     "gate_summary",
+    "machine_of",
     "grad_stats",
     "greedy_targets",
     "grouped_parameters",

@@ -20,6 +20,8 @@ from ..drafters.config import (
     REGIMES,
     TARGET_KV,
 )
+from ..target.precision import PRECISIONS
+from .curves import SCHEDULES
 from .grad_probes import GROUPS
 
 DATA_SOURCES = ("store", "online")
@@ -59,11 +61,20 @@ class TrainConfig:
     max_tokens: int | None = None  # crop sequences to this many tokens (None: as stored)
     lr: float = 1e-3
     warmup_steps: int = 20
-    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
+    schedule: str = "cosine"  # "cosine" | "wsd" (warmup-stable-decay, training/curves.py)
+    decay_fraction: float = (
+        0.1  # wsd: the final decay, and each curve point's decay branch, as a share of its budget
+    )
+    curve_points: int = (
+        0  # held-out points at log-spaced budgets T/2^j, each after a decay branch (wsd; 0 = off)
+    )
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 0.5  # global-norm clipping (0 = off)
-    mixed_precision: str = "no"  # "no" | "bf16" | "fp16" | "auto" (accelerate's launch config decides)
+    mixed_precision: str = (
+        "auto"  # "auto" (bf16 where the device has it: target/precision.py) | "no" | "bf16" | "fp16"
+    )
     seed: int = 0
     # regime
     ttt_steps: int = 7  # K: unrolled steps (ttt, ttt_dense) or drafted block length (parallel); tf uses 1
@@ -185,8 +196,19 @@ class TrainConfig:
             bad(f"lr must be > 0, got {self.lr}.")
         if self.max_tokens is not None and self.max_tokens < 2 + self.n_train_steps:
             bad(f"max_tokens={self.max_tokens} is too short for {self.n_train_steps} draft steps.")
-        if self.mixed_precision not in ("no", "bf16", "fp16", "auto"):
-            bad(f"mixed_precision must be 'no', 'bf16', 'fp16' or 'auto', got {self.mixed_precision!r}.")
+        if self.mixed_precision not in PRECISIONS:
+            bad(f"mixed_precision must be one of {PRECISIONS}, got {self.mixed_precision!r}.")
+        if self.schedule not in SCHEDULES:
+            bad(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
+        if not 0 < self.decay_fraction < 1:
+            bad(f"decay_fraction must be in (0, 1), got {self.decay_fraction}.")
+        if self.curve_points < 0 or (self.curve_points and self.schedule != "wsd"):
+            bad(
+                f"curve_points={self.curve_points}: learning-curve points need schedule='wsd' (a cosine "
+                "schedule's intermediate points are not annealed) and a count >= 0."
+            )
+        if self.curve_points and not self.eval_sequences:
+            bad("curve_points needs held-out evaluations (eval_sequences >= 1).")
         for name in ("grad_scale", "lr_scale"):
             d = getattr(self, name)
             unknown = sorted(set(d) - set(GROUPS))

@@ -100,7 +100,7 @@ def evaluate_per_step(
             want = at_rows(shifted(top, 1 + k, N), rows)[mask]  # [M]
             hit[k] += float((guess == want).sum())
             ce[k] += float(
-                -(at_rows(shifted(probs, 1 + k, N), rows)[mask] * torch.log_softmax(logits, -1)).sum()
+                -(at_rows(shifted(probs, 1 + k, N), rows)[mask] * torch.log_softmax(logits.float(), -1)).sum()
             )
             cnt[k] += float(mask.sum())
             if k == 0:
@@ -161,9 +161,15 @@ def per_step_table(results) -> pd.DataFrame:
                     ce=final[f"ce_{k}"],
                     n=final[f"n_{k}"],
                     ceiling=final.get("ceiling"),
+                    **machine_of(r),
                 )
             )
     return pd.DataFrame(rows)
+
+
+def machine_of(result) -> dict:
+    """The precision, device, CPU model and bf16 ISA a finished run trained with (target/precision.py)."""
+    return dict(result.drafter.cfg.extra.get("machine", {}))
 
 
 def training_times(results) -> pd.DataFrame:
@@ -180,6 +186,7 @@ def training_times(results) -> pd.DataFrame:
                 train_tokens=tokens,
                 seconds=round(r.train_seconds, 1),
                 tokens_per_second=round(tokens / max(r.train_seconds, 1e-9), 1),
+                **machine_of(r),
             )
         )
     return pd.DataFrame(rows)

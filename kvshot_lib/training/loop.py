@@ -18,7 +18,6 @@ GPUs under ``accelerate launch -m kvshot_lib.cli train ...`` (data-parallel; see
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
 from contextlib import nullcontext
@@ -33,9 +32,11 @@ from tqdm.auto import tqdm
 from ..drafters import build_drafter, drafter_config_for, load_drafter
 from ..drafters.checkpoint import CONFIG_FILE, save_drafter
 from ..drafters.vocab import count_tokens, draft_vocab_from_counts
+from ..target.precision import machine_record, resolve_precision
 from .batches import StoreBatches
 from .config import TrainConfig
 from .convergence import EarlyStopping, plateau
+from .curves import Snapshot, curve_steps, decay_length, linear_decay, lr_factor
 from .data import check_data, describe_data, init_from_checkpoint
 from .grad_probes import GradProbe, grouped_parameters
 from .heldout import EvalSet, evaluate_per_step, gate_summary
@@ -43,7 +44,15 @@ from .losses import branch_valid, regime_loss, sample_anchors, sample_branches, 
 from .online import OnlineBatches, online_eval_set
 from .state import STATE_DIR, load_train_state, read_train_state, save_train_state
 
-LOG_TABLES = ("history", "eval", "grad_probes", "kv_positions", "attention_mass", "kv_position_samples")
+LOG_TABLES = (
+    "history",
+    "eval",
+    "curve",
+    "grad_probes",
+    "kv_positions",
+    "attention_mass",
+    "kv_position_samples",
+)
 
 
 @dataclass
@@ -85,22 +94,14 @@ def build_draft_vocab(store, target, size: int) -> torch.Tensor:
 
 
 def make_accelerator(cfg: TrainConfig, device: str):
+    """An ``Accelerator`` whose autocast runs ``cfg.mixed_precision`` as resolved for ``device`` (``auto``:
+    bf16 on a CPU with AMX-BF16 / AVX512-BF16 or a bf16 GPU, else float32; see target/precision.py)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
     ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
-    mp = None if cfg.mixed_precision == "auto" else cfg.mixed_precision
-    return Accelerator(cpu=device == "cpu", mixed_precision=mp, kwargs_handlers=[ddp])
-
-
-def _lr_lambda(cfg: TrainConfig):
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        t = (step - cfg.warmup_steps) / max(1, cfg.train_steps - cfg.warmup_steps)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
-
-    return f
+    mp = resolve_precision(cfg.mixed_precision, device)
+    return Accelerator(cpu=str(device) == "cpu", mixed_precision=mp, kwargs_handlers=[ddp])
 
 
 def build_optimizer(drafter: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -172,6 +173,14 @@ def train_drafter(
     )
     stopper = EarlyStopping(cfg.early_stop_patience, cfg.early_stop_metric)
     stop_reason = ""
+    budgets = curve_steps(cfg.train_steps, cfg.curve_points)
+
+    def evaluate(step: int) -> dict:
+        drafter.eval()
+        with acc.autocast():
+            ev = evaluate_per_step(drafter, evals, cfg.eval_steps, acc, cfg.eval_branch_fraction)
+        return dict(ev, step=step, seconds=time.perf_counter() - t_start, **gate_summary(drafter))
+
     bar = tqdm(
         total=cfg.train_steps,
         initial=start,
@@ -184,15 +193,22 @@ def train_drafter(
         row, acc0 = _train_step(drafter, objective, optimizer, acc, cfg, batch, step, logs, t_start)
         row["epoch"] = loader.epoch_of(step + 1)
         logs["history"].append(row)
+        if step + 1 in budgets and step + 1 < cfg.train_steps:  # a learning-curve point (training/curves.py)
+            seen = sum(r["tokens"] for r in logs["history"])
+            logs["curve"].append(
+                _decay_branch(drafter, objective, optimizer, acc, cfg, loader, step, evaluate, seen)
+            )
         bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc0:.2f}")
         bar.update()
         out_of_time = _out_of_time(cfg, t_start, acc)
         last = step == cfg.train_steps - 1 or out_of_time
-        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last or step == 0):
-            drafter.eval()
-            ev = evaluate_per_step(drafter, evals, cfg.eval_steps, acc, cfg.eval_branch_fraction)
-            ev.update(step=step + 1, seconds=time.perf_counter() - t_start, **gate_summary(drafter))
+        if (cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last or step == 0)) or (budgets and last):
+            ev = evaluate(step + 1)
             logs["eval"].append(ev)
+            if budgets and step + 1 == cfg.train_steps:  # the curve's last point is the run's own end
+                tokens = sum(r["tokens"] for r in logs["history"])
+                branch = decay_length(cfg.train_steps, cfg.decay_fraction)
+                logs["curve"].append(dict(ev, budget_step=step + 1, branch_steps=branch, tokens=tokens))
             if stopper.update(step + 1, ev, drafter) and not last:
                 last, stop_reason = (
                     True,
@@ -278,12 +294,22 @@ def _resume_point(out: Path, cfg: TrainConfig, drafter, optimizer, resume: bool)
 
 
 def _train_step(
-    drafter, objective, optimizer, acc, cfg: TrainConfig, batch, step: int, logs: dict, t_start: float
+    drafter,
+    objective,
+    optimizer,
+    acc,
+    cfg: TrainConfig,
+    batch,
+    step: int,
+    logs: dict,
+    t_start: float,
+    factor: float | None = None,
 ):
-    """One optimizer step (with the gradient probe on probing steps); returns its history row and acc_0."""
+    """One optimizer step (with the gradient probe on probing steps); returns its history row and acc_0.
+    ``factor`` overrides the schedule's learning-rate multiplier (a decay branch, which never probes)."""
     base = dict(drafter=cfg.name, paradigm=cfg.paradigm, regime=cfg.regime)
     last = step == cfg.train_steps - 1
-    probing = cfg.probe_every > 0 and (step % cfg.probe_every == 0 or last)
+    probing = factor is None and cfg.probe_every > 0 and (step % cfg.probe_every == 0 or last)
     branches = sample_branches(batch.ids.shape[1] - 1, cfg.branch_fraction, seed=cfg.seed * 1_000_003 + step)
     if cfg.regime == "parallel":  # the block drafter: random anchors per sequence (training/losses.py)
         branches = sample_anchors(
@@ -309,15 +335,15 @@ def _train_step(
                     p.grad.mul_(factor)
     clip = cfg.grad_clip
     grad_norm = acc.clip_grad_norm_(drafter.parameters(), clip) if clip else torch.tensor(0.0)
-    schedule = _lr_lambda(cfg)
-    for group in optimizer.param_groups:  # warmup + cosine, a function of the step (exact on resume)
-        group["lr"] = group["base_lr"] * schedule(step)
+    factor = lr_factor(cfg, step) if factor is None else factor
+    for group in optimizer.param_groups:  # the schedule is a function of the step (exact on resume)
+        group["lr"] = group["base_lr"] * factor
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     row = dict(
         step=step + 1,
         loss=float(loss.detach()),
-        lr=cfg.lr * schedule(step),
+        lr=cfg.lr * factor,
         grad_norm=float(grad_norm),
         tokens=int(batch.lengths.sum()) * acc.num_processes,
         seconds=time.perf_counter() - t_start,
@@ -327,6 +353,22 @@ def _train_step(
     row.update({f"acc_{k}": v for k, v in enumerate(parts["acc"])})
     row.update({k: parts[k] for k in ("feature", "kv_align") if k in parts})
     return row, parts["acc"][0]
+
+
+def _decay_branch(drafter, objective, optimizer, acc, cfg, loader, step: int, evaluate, seen: int) -> dict:
+    """A learning-curve point after ``step + 1`` steps: from a copy, ``decay_fraction`` of them more on the next
+    batches with the learning rate decaying linearly to ``min_lr_ratio``, a held-out evaluation, and back."""
+    snap = Snapshot(drafter, optimizer)
+    length = decay_length(step + 1, cfg.decay_fraction)
+    start = lr_factor(cfg, step + 1)
+    for i in range(length):
+        batch = loader.batch(step + 1 + i).to(acc.device)
+        factor = linear_decay(cfg, i, length, start)
+        row, _ = _train_step(drafter, objective, optimizer, acc, cfg, batch, step + 1 + i, {}, 0.0, factor)
+        seen += row["tokens"]
+    ev = evaluate(step + 1 + length)
+    snap.restore(drafter, optimizer)
+    return dict(ev, budget_step=step + 1, branch_steps=length, tokens=seen)
 
 
 def _save_finished(
@@ -345,6 +387,9 @@ def _save_finished(
         train_store=describe_data(train_store),
         eval_store=describe_data(eval_store),
         final_eval=logs["eval"][-1] if logs["eval"] else {},
+        machine=machine_record(
+            resolve_precision(cfg.mixed_precision, drafter.head.device), drafter.head.device
+        ),
         plateau=plateau(logs["eval"]),
         **stopping,
     )

@@ -150,8 +150,10 @@ def regime_loss(
     on a CPU: the draft LM head and its softmax dominate a one-layer drafter.
     """
     N = batch.ids.shape[1] - 1
-    with torch.no_grad():
+    with torch.no_grad():  # the target's side, once per batch (not once per unrolled step)
         probs = target_probs(batch.final_hidden, drafter.head)  # [B, T, V_draft]
+        top = probs.argmax(-1)  # [B, T] the target's greedy draft-vocabulary token
+        ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)  # [B, T] its entropy
     total = torch.zeros((), device=probs.device)
     parts: dict = {"ce": [], "kl": [], "acc": [], "n": []}
     for k, (h, rows) in enumerate(zip(un.outs, un.rows)):
@@ -159,12 +161,13 @@ def regime_loss(
         logits = drafter.logits(h[mask])  # [M, V_draft]
         p_k = at_rows(shifted(probs, 1 + k, N), rows)[mask]  # [M, V_draft]
         n = int(mask.sum())
-        ce = -(p_k * torch.log_softmax(logits.float(), dim=-1)).sum() / max(n, 1)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [M, V_draft]
+        ce = -(p_k * logp).sum() / max(n, 1)
         weight = 1.0 if regime == "ttt_dense" else step_decay**k
         total = total + weight * ce
         with torch.no_grad():
-            agree = int((logits.argmax(-1) == p_k.argmax(-1)).sum())
-            entropy = float(-(p_k * p_k.clamp_min(1e-30).log()).sum()) / max(n, 1)
+            agree = int((logp.argmax(-1) == at_rows(shifted(top, 1 + k, N), rows)[mask]).sum())
+            entropy = float(at_rows(shifted(ent, 1 + k, N), rows)[mask].sum()) / max(n, 1)
         parts["kl"].append(float(ce.detach()) - entropy)  # CE minus the target's entropy: 0 at a perfect fit
         parts["ce"].append(float(ce.detach()))
         parts["acc"].append(agree / max(n, 1))

@@ -1,0 +1,64 @@
+"""The learning rate schedule, and learning curves inside one run: warmup-stable-decay with decay branches.
+
+A held-out point in the middle of a cosine schedule measures a drafter whose learning rate is still high,
+not what that budget can train. So the learning-curve runs use **warmup-stable-decay** (WSD,
+``schedule: wsd``): a linear warmup, a constant learning rate, and a linear decay to ``lr * min_lr_ratio``
+over the last ``decay_fraction`` of the steps. At each of ``curve_points`` log-spaced budgets before the end
+(:func:`curve_steps`: ``train_steps / 2^j``), the loop runs a short **decay branch**: from a copy of the
+drafter and its optimizer it takes ``decay_fraction`` of that budget's steps more, on the batches that come
+next, with the learning rate decaying the same way, evaluates the held-out slice, and puts the copy back.
+Each curve point is thus an annealed drafter trained for that budget, as a separate run would give,
+for about ``decay_fraction * (1/2 + 1/4 + ...)`` ≈ 10% more compute. The last point is the run's own end.
+
+``tests/test_learning_curves.py`` checks that the main run is the same with and without branches, and
+that a branch's point equals a separate run of ``b + d`` steps whose own final decay is those ``d`` steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+SCHEDULES = ("cosine", "wsd")
+
+
+def lr_factor(cfg, step: int) -> float:
+    """The learning-rate multiplier of optimizer step ``step`` (0-based) under ``cfg.schedule``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "wsd":
+        decay = decay_length(cfg.train_steps, cfg.decay_fraction)
+        into = step - (cfg.train_steps - decay)
+        return 1.0 if into < 0 else linear_decay(cfg, into, decay)
+    t = (step - cfg.warmup_steps) / max(1, cfg.train_steps - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def linear_decay(cfg, i: int, length: int, start: float = 1.0) -> float:
+    """Step ``i`` of a linear decay of ``length`` steps from ``start`` down to ``min_lr_ratio``."""
+    return start - (start - cfg.min_lr_ratio) * (i + 1) / length
+
+
+def decay_length(budget: int, fraction: float) -> int:
+    return max(1, round(fraction * budget))
+
+
+def curve_steps(train_steps: int, n_points: int) -> list[int]:
+    """The budgets, in optimizer steps, of a learning curve of ``n_points`` log-spaced points ending at
+    ``train_steps`` (``[T/16, T/8, T/4, T/2, T]`` for 5); empty when ``n_points`` is 0."""
+    return sorted({max(1, round(train_steps / 2**j)) for j in range(n_points)})
+
+
+class Snapshot:
+    """A copy of the drafter's parameters and the optimizer's state, to branch off and come back."""
+
+    def __init__(self, drafter, optimizer):
+        self.params = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+        self.optim = copy.deepcopy(optimizer.state_dict())
+
+    def restore(self, drafter, optimizer) -> None:
+        with torch.no_grad():
+            drafter.load_state_dict(self.params, strict=True)
+        optimizer.load_state_dict(self.optim)

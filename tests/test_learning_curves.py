@@ -1,0 +1,105 @@
+"""Learning curves: WSD decay branches leave the main run untouched and equal a separate run of that budget;
+the saturating fit recovers a known asymptote; the gap trend has the sign of a known slope."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvshot_lib.corpus import extract_features, tokenize_sharegpt
+from kvshot_lib.evaluation import fit_saturating, gap_trend
+from kvshot_lib.training import TrainConfig, curve_steps, lr_factor, train_drafter
+
+
+@pytest.fixture(scope="module")
+def stores(tiny_llama, tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("features")
+    train = tokenize_sharegpt(tokenizer, "train", 6, 40, seed=0)
+    held = tokenize_sharegpt(tokenizer, "eval", 2, 40, seed=0)
+    return extract_features(tiny_llama, train, out_dir=root / "t"), extract_features(
+        tiny_llama, held, out_dir=root / "e"
+    )
+
+
+def cfg(**kw):
+    base = dict(
+        paradigm="hidden",
+        regime="ttt",
+        ttt_steps=3,
+        draft_vocab_size=128,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_every=0,
+        eval_sequences=2,
+        probe_every=0,
+        save_every=0,
+        schedule="wsd",
+        decay_fraction=0.1,
+        mixed_precision="no",
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def test_curve_steps_are_log_spaced_and_wsd_decays_at_the_end():
+    assert curve_steps(1600, 5) == [100, 200, 400, 800, 1600]
+    assert curve_steps(100, 0) == []
+    c = cfg(train_steps=40, eval_every=0)
+    factors = [lr_factor(c, s) for s in range(40)]
+    assert factors[:2] == [0.5, 1.0]  # warmup over 2 steps
+    assert all(f == 1.0 for f in factors[2:36])  # stable
+    assert factors[36:] == pytest.approx([1 - 0.9 * (i + 1) / 4 for i in range(4)])  # decay to 0.1
+    assert factors[-1] == pytest.approx(0.1)
+
+
+def test_decay_branches_leave_the_main_run_unchanged_and_equal_a_separate_run(tiny_llama, stores, tmp_path):
+    train, held = stores
+    plain = train_drafter(tiny_llama, train, held, cfg(train_steps=40), tmp_path / "plain", progress=False)
+    curved = train_drafter(
+        tiny_llama, train, held, cfg(train_steps=40, curve_points=3), tmp_path / "curved", progress=False
+    )
+    # the branches ran and were undone: the main run's losses and weights are those of the plain run
+    assert [r["loss"] for r in curved.logs["history"]] == [r["loss"] for r in plain.logs["history"]]
+    for (k, a), b in zip(plain.drafter.state_dict().items(), curved.drafter.state_dict().values()):
+        assert torch.equal(a, b), k
+    points = curved.logs["curve"]
+    assert [p["budget_step"] for p in points] == [10, 20, 40]
+    assert [p["branch_steps"] for p in points] == [1, 2, 4]
+    # the point at 20 steps = a separate run of 22 steps whose own final decay is those 2 steps
+    alone = train_drafter(
+        tiny_llama,
+        train,
+        held,
+        cfg(train_steps=22, decay_fraction=2 / 22, eval_every=22),
+        tmp_path / "alone",
+        progress=False,
+    )
+    final = alone.logs["eval"][-1]
+    point = points[1]
+    for k in range(3):
+        assert point[f"acc_{k}"] == final[f"acc_{k}"]
+        assert point[f"ce_{k}"] == pytest.approx(final[f"ce_{k}"], rel=1e-6)
+    assert point["tokens"] == sum(r["tokens"] for r in alone.logs["history"])
+
+
+def test_fit_recovers_a_known_asymptote_within_its_interval():
+    rng = np.random.default_rng(0)
+    a, b, c = 0.62, 3.0, 0.3
+    tokens = np.array([6.5e4, 1.3e5, 2.6e5, 5.2e5, 1.05e6, 2.1e6])
+    n = np.full(tokens.shape, 6000)
+    true = a - b * tokens ** (-c)
+    acc = rng.binomial(n, true) / n
+    fit = fit_saturating(tokens, acc, n, n_boot=300, seed=0)
+    assert fit["a_lo"] <= a <= fit["a_hi"], fit
+    assert abs(fit["a"] - a) < 0.04, fit
+    assert fit["a_lo"] > acc[-1] - 0.02  # the lower end says what the curve has nearly reached
+    # a flat curve's asymptote is its level
+    flat = fit_saturating(tokens, np.full(tokens.shape, 0.3), n, n_boot=100, seed=0)
+    assert flat["a"] == pytest.approx(0.3, abs=0.02)
+
+
+def test_gap_trend_has_the_sign_of_a_known_slope():
+    tokens = np.array([1e5, 2e5, 4e5, 8e5, 1.6e6])
+    grow = gap_trend(tokens, 0.01 + 0.02 * np.log10(tokens / 1e5), np.full(5, 0.002))
+    hold = gap_trend(tokens, np.full(5, 0.03), np.full(5, 0.01))
+    shrink = gap_trend(tokens, 0.1 - 0.03 * np.log10(tokens / 1e5), np.full(5, 0.002))
+    assert (grow["trend"], hold["trend"], shrink["trend"]) == ("grows", "holds", "shrinks")
+    assert grow["slope_lo"] > 0 and shrink["slope_hi"] < 0 and hold["slope_lo"] < 0 < hold["slope_hi"]
