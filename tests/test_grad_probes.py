@@ -131,6 +131,7 @@ BASE = dict(
     eval_every=0,
     probe_every=PROBE_EVERY,
     probe_samples=30,
+    mixed_precision="no",  # the logged gradients are compared with a direct float32 backward
 )
 KEY = "layers.0.self_attn.k_proj.weight"
 

@@ -197,7 +197,8 @@ def test_full_cache_equals_a_fresh_prefill_after_every_full_pass(llama, strict):
         llama.model(input_ids=committed, past_key_values=fresh, use_cache=True)
         assert cache.get_seq_length() == committed.shape[1]
         for a, b in zip(cache.layers, fresh.layers):
-            assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+            # float noise of another chunking of the same sums: ~1e-5 on keys of magnitude ~6 (AVX512 kernels)
+            assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
         checked.append(committed.shape[1])
 
     cfg = DecodeConfig(mode="chain", max_new_tokens=40, stop_token_ids=(), chain_depth=3)

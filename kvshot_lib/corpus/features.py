@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..target import Target, assets, capture
+from ..target.precision import autocast, machine_record, resolve_precision
 from .sharegpt import TokenizedSplit
 
 FORMAT = "kvshot-features/1"
@@ -62,11 +63,20 @@ def _plan_shards(lengths: Sequence[int], shard_tokens: int) -> list[tuple[int, i
     return shards
 
 
-def default_store_dir(target: Target, split: TokenizedSplit, hidden_layers, kv_layers, dtype: str) -> Path:
-    key = json.dumps(
-        [target.info.name, target.info.fingerprint, list(hidden_layers), list(kv_layers), dtype, split.spec],
-        sort_keys=True,
-    )
+def default_store_dir(
+    target: Target, split: TokenizedSplit, hidden_layers, kv_layers, dtype: str, precision: str = "no"
+) -> Path:
+    parts = [
+        target.info.name,
+        target.info.fingerprint,
+        list(hidden_layers),
+        list(kv_layers),
+        dtype,
+        split.spec,
+    ]
+    if precision != "no":  # stores computed in float32 keep the folder they always had
+        parts.append(precision)
+    key = json.dumps(parts, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return assets.cache_dir() / "features" / f"{target.info.name.replace('/', '--')}-{digest}"
 
@@ -83,12 +93,17 @@ def _check_layers(layers: Sequence[int], n_layers: int, what: str) -> list[int]:
 
 
 @torch.inference_mode()
-def _extract_sequence(target: Target, ids: torch.Tensor, hidden_layers, kv_layers, dtype) -> dict:
+def _extract_sequence(
+    target: Target, ids: torch.Tensor, hidden_layers, kv_layers, dtype, precision: str = "no"
+) -> dict:
     model = target.model
     dev = next(model.parameters()).device
-    with capture(
-        model, sorted(set(hidden_layers) | set(kv_layers)), hidden=bool(hidden_layers), kv=bool(kv_layers)
-    ) as rec:
+    with (
+        capture(
+            model, sorted(set(hidden_layers) | set(kv_layers)), hidden=bool(hidden_layers), kv=bool(kv_layers)
+        ) as rec,
+        autocast(precision, dev),
+    ):
         out = model.model(input_ids=ids[None].to(dev), use_cache=False)
     final = out.last_hidden_state[0]  # [T, hidden], after the final norm
     feats = {"final_hidden": final.to(dtype).cpu()}
@@ -114,20 +129,29 @@ def extract_features(
     out_dir: str | Path | None = None,
     dtype: str = "auto",
     shard_tokens: int = 32768,
+    precision: str = "auto",
 ) -> FeatureStore:
     """Extract (or resume extracting) features of ``split`` with ``target``; returns the finished store.
 
     ``hidden_layers`` defaults to EAGLE-3's (1, L/2-1, L-4); ``kv_layers`` defaults to the same layers.
-    ``dtype='auto'`` stores bfloat16 for a bfloat16 target and float16 otherwise.
+    ``precision`` (``auto`` / ``no`` / ``bf16``, see target/precision.py) is what the target's forward runs
+    in: ``auto`` is bf16 autocast on a CPU or GPU that has it. ``dtype='auto'`` stores bfloat16 when the
+    target or its forward is bf16, and float16 otherwise (a float32 forward keeps float16's finer mantissa).
+    Stores of any of these dtypes, float32 included, load the same way.
     """
     info = target.info
+    precision = resolve_precision(precision, info.device)
     if dtype == "auto":
-        dtype = "bfloat16" if info.dtype == "bfloat16" else "float16"
+        dtype = "bfloat16" if "bfloat16" in (info.dtype,) or precision == "bf16" else "float16"
     hidden_layers = _check_layers(hidden_layers or info.default_hidden_layers(), info.n_layers, "hidden")
     kv_layers = _check_layers(kv_layers or info.default_hidden_layers(), info.n_layers, "KV")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}.")
-    out = Path(out_dir) if out_dir else default_store_dir(target, split, hidden_layers, kv_layers, dtype)
+    out = (
+        Path(out_dir)
+        if out_dir
+        else default_store_dir(target, split, hidden_layers, kv_layers, dtype, precision)
+    )
     lengths = [len(x) for x in split.ids]
     plan = [list(p) for p in _plan_shards(lengths, shard_tokens)]
     manifest = dict(
@@ -137,6 +161,8 @@ def extract_features(
         hidden_layers=hidden_layers,
         kv_layers=kv_layers,
         dtype=dtype,
+        precision=precision,
+        machine=machine_record(precision, info.device),
         data=split.spec,
         hidden_size=info.hidden_size,
         n_kv_heads=info.n_kv_heads,
@@ -158,9 +184,11 @@ def extract_features(
             "hidden_layers",
             "kv_layers",
             "dtype",
+            "precision",
             "data",
             "shard_plan",
         )
+        old.setdefault("precision", "no")  # stores from before precision was recorded ran in float32
         diff = {k: (old.get(k), manifest[k]) for k in keys if old.get(k) != manifest[k]}
         if diff:
             lines = "\n".join(f"  {k}: on disk {a!r}, requested {b!r}" for k, (a, b) in diff.items())
@@ -192,7 +220,9 @@ def extract_features(
         t0 = time.perf_counter()
         parts = []
         for j in range(start, end):
-            parts.append(_extract_sequence(target, split.ids[j], hidden_layers, kv_layers, torch_dtype))
+            parts.append(
+                _extract_sequence(target, split.ids[j], hidden_layers, kv_layers, torch_dtype, precision)
+            )
             bar.update(lengths[j])
         tensors = {k: torch.cat([p[k] for p in parts]).contiguous() for k in parts[0]}
         tensors["input_ids"] = torch.cat(split.ids[start:end]).to(torch.int32)
@@ -300,6 +330,7 @@ class FeatureStore:
             "bytes_per_token": round(m["bytes_per_token"]),
             "gigabytes": round(m["bytes"] / 1e9, 3),
             "dtype": m["dtype"],
+            "precision": {"no": "fp32"}.get(m.get("precision", "no"), m.get("precision")),
             "hidden_layers": m["hidden_layers"],
             "kv_layers": m["kv_layers"],
         }

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from ..drafters import build_drafter, drafter_config_for, load_drafter
 from ..drafters.checkpoint import CONFIG_FILE, save_drafter
 from ..drafters.vocab import count_tokens, draft_vocab_from_counts
-from ..target.precision import machine_record, resolve_precision
+from ..target.precision import autocast, machine_record, resolve_precision
 from .batches import StoreBatches
 from .config import TrainConfig
 from .convergence import EarlyStopping, plateau
@@ -71,20 +71,22 @@ class TrainResult:
 
 
 class Objective(nn.Module):
-    """The drafter plus its regime's loss, so that ``accelerate``/DDP sees one forward."""
+    """The drafter plus its regime's loss, so that ``accelerate``/DDP sees one forward. It runs under
+    ``precision`` (a resolved one: ``"no"`` = float32, ``"bf16"``: autocast, see target/precision.py)."""
 
-    def __init__(self, drafter: nn.Module, cfg: TrainConfig):
+    def __init__(self, drafter: nn.Module, cfg: TrainConfig, precision: str = "no"):
         super().__init__()
-        self.drafter, self.cfg = drafter, cfg
+        self.drafter, self.cfg, self.precision = drafter, cfg, precision
 
     def forward(self, batch, recorder=None, branches=None):
         c = self.cfg
-        un = self.drafter(
-            batch, c.n_train_steps, detach_chain=c.detach_chain, recorder=recorder, branches=branches
-        )
-        return regime_loss(
-            self.drafter, batch, un, c.regime, c.step_decay, c.feature_loss_weight, c.kv_align_weight
-        )
+        with autocast(self.precision, self.drafter.head.device):
+            un = self.drafter(
+                batch, c.n_train_steps, detach_chain=c.detach_chain, recorder=recorder, branches=branches
+            )
+            return regime_loss(
+                self.drafter, batch, un, c.regime, c.step_decay, c.feature_loss_weight, c.kv_align_weight
+            )
 
 
 def build_draft_vocab(store, target, size: int) -> torch.Tensor:
@@ -94,13 +96,14 @@ def build_draft_vocab(store, target, size: int) -> torch.Tensor:
 
 
 def make_accelerator(cfg: TrainConfig, device: str):
-    """An ``Accelerator`` whose autocast runs ``cfg.mixed_precision`` as resolved for ``device`` (``auto``:
-    bf16 on a CPU with AMX-BF16 / AVX512-BF16 or a bf16 GPU, else float32; see target/precision.py)."""
+    """An ``Accelerator`` for ``device``. bf16 runs through the :class:`Objective`'s own autocast (accelerate's
+    mixed precision is fixed once per process, and one process may train float32 and bf16 drafters); only
+    CUDA fp16 needs accelerate's, for its gradient scaler."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
     ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
-    mp = resolve_precision(cfg.mixed_precision, device)
+    mp = "fp16" if resolve_precision(cfg.mixed_precision, device) == "fp16" else None
     return Accelerator(cpu=str(device) == "cpu", mixed_precision=mp, kwargs_handlers=[ddp])
 
 
@@ -151,6 +154,7 @@ def train_drafter(
 ) -> TrainResult:
     """Train one drafter; see the module docstring. ``config`` may be a parameter dict (validated)."""
     cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_params(config)
+    precision = resolve_precision(cfg.mixed_precision, target.info.device)  # refused here if impossible
     out = Path(out_dir)
     if resume and _finished(out, cfg):
         drafter = load_drafter(out, target)
@@ -163,7 +167,7 @@ def train_drafter(
     start, logs, seconds = _resume_point(out, cfg, drafter, optimizer, resume)
     for group in optimizer.param_groups:
         group.setdefault("base_lr", group["lr"])
-    objective, optimizer = acc.prepare(Objective(drafter, cfg), optimizer)
+    objective, optimizer = acc.prepare(Objective(drafter, cfg, precision), optimizer)
     source = OnlineBatches if cfg.data_source == "online" else StoreBatches
     args = (drafter.cfg, cfg.batch_size, cfg.seed, acc.process_index, acc.num_processes, cfg.max_tokens)
     loader = source(target, train_store, *args) if cfg.data_source == "online" else source(train_store, *args)
@@ -177,7 +181,7 @@ def train_drafter(
 
     def evaluate(step: int) -> dict:
         drafter.eval()
-        with acc.autocast():
+        with autocast(precision, drafter.head.device):
             ev = evaluate_per_step(drafter, evals, cfg.eval_steps, acc, cfg.eval_branch_fraction)
         return dict(ev, step=step, seconds=time.perf_counter() - t_start, **gate_summary(drafter))
 
@@ -234,7 +238,7 @@ def train_drafter(
         )
     if acc.is_main_process:
         final = acc.unwrap_model(objective).drafter
-        _save_finished(out, final, cfg, logs, seconds, train_store, eval_store, stopping)
+        _save_finished(out, final, cfg, logs, seconds, train_store, eval_store, stopping, precision)
     acc.wait_for_everyone()
     return TrainResult(drafter, out, cfg, logs, seconds)
 
@@ -322,8 +326,7 @@ def _train_step(
         probe = GradProbe(drafter, branch_valid(batch), cfg.probe_rel_threshold, samples, branches)
     drafter.train()
     with probe or nullcontext():
-        with acc.autocast():
-            loss, parts = objective(batch, probe, branches)
+        loss, parts = objective(batch, probe, branches)
         acc.backward(loss)
     if probe is not None:
         _log_probe(logs, probe, step, base)
@@ -372,7 +375,15 @@ def _decay_branch(drafter, objective, optimizer, acc, cfg, loader, step: int, ev
 
 
 def _save_finished(
-    out: Path, drafter, cfg: TrainConfig, logs: dict, seconds: float, train_store, eval_store, stopping: dict
+    out: Path,
+    drafter,
+    cfg: TrainConfig,
+    logs: dict,
+    seconds: float,
+    train_store,
+    eval_store,
+    stopping: dict,
+    precision: str,
 ):
     """Write the checkpoint (with the training metadata in its config) and the log tables; drop the state."""
     n_tokens = sum(r["tokens"] for r in logs["history"])
@@ -387,9 +398,7 @@ def _save_finished(
         train_store=describe_data(train_store),
         eval_store=describe_data(eval_store),
         final_eval=logs["eval"][-1] if logs["eval"] else {},
-        machine=machine_record(
-            resolve_precision(cfg.mixed_precision, drafter.head.device), drafter.head.device
-        ),
+        machine=machine_record(precision, drafter.head.device),
         plateau=plateau(logs["eval"]),
         **stopping,
     )

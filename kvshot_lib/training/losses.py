@@ -42,8 +42,10 @@ from ..drafters.unroll import TrainBatch, shifted
 
 
 def target_probs(final_hidden: Tensor, head: Tensor) -> Tensor:
-    """The target's next-token distribution restricted to the draft vocabulary: ``[B, T, V_draft]``."""
-    return torch.softmax(final_hidden @ head.T, dim=-1)
+    """The target's next-token distribution restricted to the draft vocabulary: ``[B, T, V_draft]``. Always
+    in float32, outside any autocast: these are the labels, and a bf16 logit of 20 is off by up to 0.06."""
+    with torch.autocast(final_hidden.device.type, enabled=False):
+        return torch.softmax(final_hidden.float() @ head.float().T, dim=-1)
 
 
 def step_mask(batch: TrainBatch, k: int) -> Tensor:
