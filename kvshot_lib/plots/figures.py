@@ -164,6 +164,21 @@ SPECS = [
         ),
     ),
     FigureSpec(
+        "02_learning_curves",
+        "02_train_drafters",
+        ("learning_curves.csv", "curve_asymptotes.csv"),
+        lambda t: training.plot_learning_curves(t["learning_curves.csv"], t["curve_asymptotes.csv"]),
+        {
+            "learning_curves.csv": ["drafter", "paradigm", "regime", "tokens", "metric", "value", "lo", "hi"],
+            "curve_asymptotes.csv": ["drafter", "metric", "a", "a_lo", "a_hi"],
+        },
+        lambda t: (
+            f"{t['learning_curves.csv']['tokens'].nunique()} budgets per drafter, each after a WSD decay branch "
+            "(warmup-stable-decay; the last point is the run's own decay); bars: 95% intervals (Wilson; MAT: "
+            "parametric bootstrap)"
+        ),
+    ),
+    FigureSpec(
         "02_heldout_over_training",
         "02_train_drafters",
         ("heldout_eval.csv",),

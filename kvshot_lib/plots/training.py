@@ -369,3 +369,48 @@ def plot_remedies(per_step: pd.DataFrame, probes: pd.DataFrame | None = None):
         axes[0][1].set_ylabel("kv_proj gradient RMS (before any scaling)")
     fig.tight_layout()
     return fig
+
+
+CURVE_TITLES = {"acc_0": "acc$_0$", "acc_3": "acc$_3$", "acc_6": "acc$_6$", "mat": "formula MAT"}
+
+
+def plot_learning_curves(curves: pd.DataFrame, fits: pd.DataFrame | None = None):
+    """Held-out acc_0, acc_3, acc_6 and the formula MAT against training tokens (log x), one panel each, with
+    95% intervals, for every drafter and its control; the fitted asymptote ``a`` of ``a - b N^-c`` as a short
+    tick at the right edge of each panel."""
+    metrics = [m for m in CURVE_TITLES if m in set(curves["metric"])]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(PAGE, 2.7), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        m = curves[curves["metric"] == metric]
+        for name, *style in _drafters(m):
+            d = m[m["drafter"] == name].sort_values("tokens")
+            kw = _style(name, *style)
+            ax.errorbar(
+                d["tokens"],
+                d["value"],
+                yerr=[d["value"] - d["lo"], d["hi"] - d["value"]],
+                marker="o",
+                ms=3,
+                capsize=1.5,
+                lw=1.2,
+                label=name,
+                **kw,
+            )
+            if fits is not None and len(fits):
+                f = fits[(fits["drafter"] == name) & (fits["metric"] == metric)]
+                if len(f) and np.isfinite(f["a"].iloc[0]):
+                    ax.plot(
+                        [1.0], [f["a"].iloc[0]], marker="_", ms=9, mew=1.5, color=kw["color"],
+                        alpha=kw.get("alpha", 1.0), transform=ax.get_yaxis_transform(), clip_on=False,
+                    )  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_title(CURVE_TITLES[metric])
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("held-out value after a WSD decay")
+    fig.supxlabel("training tokens (token-passes, log scale)", fontsize=8)
+    fig.suptitle(
+        "Learning curves: each point is an annealed drafter at that budget (ticks: fitted asymptotes)"
+    )
+    fig.tight_layout()
+    _legend_outside(fig, *axes[0][0].get_legend_handles_labels())
+    return fig

@@ -66,9 +66,16 @@ def cpu_has_bf16() -> bool:
     return any(f in cpu_flags() for f in BF16_FLAGS)
 
 
+def _device_kind(device) -> str:
+    if str(device) == "auto":  # as load_target resolves it
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
+
+
 def resolve_precision(requested: str, device: str | torch.device = "cpu") -> str:
-    """``"bf16"``, ``"fp16"`` or ``"no"``: what ``requested`` (``auto`` / ``no`` / ``bf16`` / ``fp16``) runs as."""
-    kind = torch.device(device).type if str(device) != "auto" else "cpu"
+    """``"bf16"``, ``"fp16"`` or ``"no"``: what ``requested`` (``auto`` / ``no`` / ``bf16`` / ``fp16``) runs as
+    on ``device`` (``"auto"``: CUDA when there is one, as ``load_target`` picks)."""
+    kind = _device_kind(device)
     if requested not in PRECISIONS:
         raise PrecisionError(f"mixed_precision must be one of {PRECISIONS}, got {requested!r}.")
     if kind == "cuda":
@@ -98,12 +105,12 @@ def autocast(precision: str, device: str | torch.device = "cpu"):
     dtype = autocast_dtype(precision)
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=dtype)
+    return torch.autocast(_device_kind(device), dtype=dtype)
 
 
 def machine_record(precision: str, device: str | torch.device = "cpu") -> dict:
     """The columns every result table carries: precision, device, CPU model and its bf16 ISA."""
-    kind = torch.device(device).type if str(device) != "auto" else "cpu"
+    kind = _device_kind(device)
     gpu = torch.cuda.get_device_name() if kind == "cuda" and torch.cuda.is_available() else ""
     return dict(
         precision={"no": "fp32"}.get(precision, precision),
