@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from ..corpus import tokenize_sharegpt
 from ..corpus.sharegpt import DEFAULT_EVAL_SIZE
+from ..target.precision import autocast, machine_record, resolve_precision
 from .info_probes import KINDS, ProbeBank, ProbeDims, Readout, probe_widths
 from .probe_data import ProbeData, probe_documents
 
@@ -171,8 +172,10 @@ def train_bank(
     labels: list[Tensor] | None = None,
     init_bias: Tensor | None = None,
     progress: bool = False,
+    precision: str = "no",
 ) -> ProbeBank:
-    """Train one bank (``K`` probes of ``kind``) on ``batches``; ``labels`` replaces the real labels (control)."""
+    """Train one bank (``K`` probes of ``kind``) on ``batches``; ``labels`` replaces the real labels (control).
+    ``precision`` (resolved: ``"no"`` or ``"bf16"``) is the autocast of the forward; losses are in float32."""
     K = batches[0].labels.shape[0]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -190,7 +193,9 @@ def train_bank(
     for _ in tqdm(range(epochs), desc=f"{kind} seed {seed}", leave=False, disable=not progress):
         for b in rng.permutation(len(batches)):
             target = batches[b].labels if labels is None else labels[b]
-            loss = _loss(bank(batches[b]), target)
+            with autocast(precision, batches[b].device):
+                logits = bank(batches[b])
+            loss = _loss(logits.float(), target)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -200,11 +205,14 @@ def train_bank(
 
 
 @torch.no_grad()
-def test_rows(bank: ProbeBank, batches: list[ProbeBatch], labels: list[Tensor] | None = None) -> list[dict]:
+def test_rows(
+    bank: ProbeBank, batches: list[ProbeBatch], labels: list[Tensor] | None = None, precision: str = "no"
+) -> list[dict]:
     """Per test document and step: ``n``, summed cross-entropy in bits, top-1 and top-5 hits."""
     rows = []
     for bi, b in enumerate(batches):
-        logits = bank(b)  # [K, n, V]
+        with autocast(precision, b.device):
+            logits = bank(b).float()  # [K, n, V]
         y = b.labels if labels is None else labels[bi]
         ok = y >= 0
         ce = F.cross_entropy(logits.flatten(0, 1), y.flatten().clamp(min=0), reduction="none").view_as(y)
@@ -245,6 +253,7 @@ def train_probes(
     control_kinds=(),
     control_seed: int = 12345,
     progress: bool = True,
+    precision: str = "no",
 ) -> pd.DataFrame:
     """Every kind x seed on the real task, and ``control_kinds`` on the control task (first seed): the
     per-document test table (columns ``kind, task, seed, doc, step, n, ce_bits, top1, top5``)."""
@@ -255,9 +264,19 @@ def train_probes(
     for kind, task, seed in tqdm(jobs, desc="probes", disable=not progress):
         ctrl = task == "control"
         bank = train_bank(
-            kind, train, readout, dims, widths[kind], rank, seed, epochs, lr, labels=c_train if ctrl else None
+            kind,
+            train,
+            readout,
+            dims,
+            widths[kind],
+            rank,
+            seed,
+            epochs,
+            lr,
+            labels=c_train if ctrl else None,
+            precision=precision,
         )
-        for r in test_rows(bank, test, c_test if ctrl else None):
+        for r in test_rows(bank, test, c_test if ctrl else None, precision):
             rows.append(dict(kind=kind, task=task, seed=seed, params=bank.n_trainable_per_probe(), **r))
     return pd.DataFrame(rows)
 
@@ -283,6 +302,7 @@ class ProbeConfig:
     lr: float = 3e-3
     docs_per_batch: int = 1
     data_seed: int = 0
+    mixed_precision: str = "auto"  # the probes' forward: bf16 where the device has it (target/precision.py)
 
     def validate(self) -> ProbeConfig:
         ints = (
@@ -326,6 +346,7 @@ class ProbeRun:
 def run_probes(target, cfg: ProbeConfig, progress: bool = True) -> ProbeRun:
     """Extract the probe data from held-out ShareGPT documents, train every probe, test it (module doc)."""
     cfg.validate()
+    precision = resolve_precision(cfg.mixed_precision, target.info.device)  # before any work
     split = tokenize_sharegpt(
         target.tokenizer,
         "eval",
@@ -364,6 +385,7 @@ def run_probes(target, cfg: ProbeConfig, progress: bool = True) -> ProbeRun:
         train.mean_final,
         cfg.control_kinds,
         progress=progress,
+        precision=precision,
     )
     counts = table.drop_duplicates("kind").set_index("kind")["params"]
     params = pd.DataFrame(
@@ -392,5 +414,6 @@ def run_probes(target, cfg: ProbeConfig, progress: bool = True) -> ProbeRun:
         offset=cfg.offset,
         max_len=cfg.max_len,
         n_steps=cfg.n_steps,
+        **machine_record(precision, target.info.device),
     )
     return ProbeRun(table, params, info)
