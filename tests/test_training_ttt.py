@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvshot_lib.drafters import (
+    Segment,
     TargetView,
     UnrollContext,
     apply_rope,
@@ -76,6 +77,36 @@ def test_segmented_unroll_equals_dense_masked_attention(own_context, with_target
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_target_segment_equals_dense_attention(with_bias, dtype):
+    """The KV drafter's separate target-KV softmax (with its learned recency bias, folded with the mask into
+    one pass) and the fused SDPA path (float32, no bias) against dense attention, outputs and gradients."""
+    g = torch.Generator().manual_seed(1)
+    B, kvh, grp, n, S, D = 2, 3, 2, 7, 9, 8
+    q = torch.randn(B, kvh * grp, n, D, generator=g).requires_grad_()
+    k, v = torch.randn(B, kvh, S, D, generator=g), torch.randn(B, kvh, S, D, generator=g)
+    mask = torch.ones(n, S, dtype=torch.bool).tril(S - n)  # [n, S] causal, the last row sees every key
+    bias = torch.randn(kvh * grp, n, S, generator=g).requires_grad_() if with_bias else None
+    seg = Segment(k.to(dtype), v.to(dtype), "dense", mask)
+    seg.bias = bias
+    got = segmented_attention(q.to(dtype), [seg])
+    scores = torch.zeros(kvh * grp, n, S) if bias is None else bias
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q,
+        k.repeat_interleave(grp, 1),
+        v.repeat_interleave(grp, 1),
+        attn_mask=scores.masked_fill(~mask, -torch.inf),
+    )
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
+    torch.testing.assert_close(got.float(), ref, **tol)
+    w = torch.randn(ref.shape, generator=g)
+    grads = torch.autograd.grad((got.float() * w).sum(), [q, *([bias] if with_bias else [])])
+    want = torch.autograd.grad((ref * w).sum(), [q, *([bias] if with_bias else [])])
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a.float(), b, **tol)
+
+
 @pytest.fixture(scope="module")
 def sequence():
     g = torch.Generator().manual_seed(3)
@@ -84,13 +115,24 @@ def sequence():
     return ids, mask
 
 
-@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid"])
+KV_LAYOUTS = [(m, s) for m in ("concat", "linear", "linear_rope") for s in ("separate", "shared")]
+
+
+@pytest.mark.parametrize(
+    "paradigm,kv_mode,kv_softmax",
+    [("hidden", "linear_rope", "separate"), ("hybrid", "linear_rope", "separate")]
+    + [("kv", m, s) for m, s in KV_LAYOUTS],
+)
 @pytest.mark.parametrize("regime,K", [("tf", 1), ("ttt", 3), ("ttt_dense", 3)])
-def test_loss_matches_direct_reference(tiny_llama, sequence, paradigm, regime, K):
-    """The regime's token loss equals a per-branch, per-step soft cross-entropy computed with decode sessions."""
+def test_loss_matches_direct_reference(tiny_llama, sequence, paradigm, kv_mode, kv_softmax, regime, K):
+    """The regime's token loss equals a per-branch, per-step soft cross-entropy computed with decode sessions,
+    for every KV injection mode and softmax layout of the KV drafter."""
     ids, lmask = sequence
     T = len(ids)
-    cfg = drafter_config_for(tiny_llama, paradigm, kv_mode="linear_rope", draft_vocab_size=512)
+    recency = 4 if paradigm == "kv" else 0  # the learned recency bias on the target's scores, as trained
+    cfg = drafter_config_for(
+        tiny_llama, paradigm, kv_mode=kv_mode, draft_vocab_size=512, kv_softmax=kv_softmax, kv_recency=recency
+    )
     d = build_drafter(cfg, tiny_llama, torch.arange(512) * 7, seed=0).eval()
     batch = batch_from_target(tiny_llama, ids, lmask, cfg)
     loss, parts = regime_loss(d, batch, d(batch, K), regime, step_decay=0.8)
