@@ -133,8 +133,9 @@ def segmented_attention(q: Tensor, segments: list[Segment], recorder=None) -> Te
             o = (e.view(B, kvh, g, n, 1) * s.v.unsqueeze(2)).view(B, kvh, g * n, D)
         out = o if out is None else out + o
     out = out / z  # [B, kvH, g*n, D]
-    if recorder is not None:
-        recorder.attention(segments, [(e / z).detach().view(B, kvh, g, n, -1) for e in exps])
+    if recorder is not None:  # the shares in float32, so that a bf16 softmax's still sum to one
+        z32 = sum(e.detach().float().sum(-1, keepdim=True) for e in exps)
+        recorder.attention(segments, [(e.detach().float() / z32).view(B, kvh, g, n, -1) for e in exps])
     return out.view(B, h, n, D)
 
 
