@@ -8,7 +8,7 @@ One *cycle* of speculative decoding (batch size 1):
    explicit position ids (root at position P, a node at depth d at P + 1 + d);
 3. verification walks down from the root:
    - temperature 0: descend to the child equal to the target's argmax;
-   - chain sampled at temperature > 0: the rejection rule of :mod:`kvshot_lib.sampling`;
+   - chain sampled at temperature > 0: the rejection rule of :mod:`.sampling`;
    - tree at temperature > 0: sample the target's token and descend if a child drafted it (draft
      children are chosen by top-k, not sampled, so this is the lossless rule for them);
    the target's choice at the last node reached is the *bonus* token;
@@ -17,6 +17,12 @@ One *cycle* of speculative decoding (batch size 1):
 
 Every cycle records the accepted drafts and, for each draft step, whether it was attempted and
 accepted (:class:`GenerationResult`); wall time is split into prefill, draft and verify.
+
+A loop carries a :class:`CycleState` from cycle to cycle (the output so far, the committed tokens, the stop
+tokens, the target's hidden states not yet handed to the drafter). Plain speculative decoding
+(:func:`speculative_generate`), SpecPV (:mod:`.specpv`) and the greedy replay of
+:mod:`kvshot_lib.evaluation.acceptance` all run their cycles on it. A :class:`Prefill` is a prompt run
+through the target once; the long-context benchmarks share one between the generations of a prompt.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ class DecodeConfig:
     tree_budget: int = 24
     stop_token_ids: tuple[int, ...] | None = None  # None: the target's EOS ids
     seed: int = 0
-    small_batch_kernel: bool = True  # CPU: a faster matmul for 2-8-token blocks (kvshot_lib.linear_kernels)
+    small_batch_kernel: bool = True  # CPU: a faster matmul for 2-8-token blocks (kvshot_lib.decoding.kernels)
 
     def validate(self) -> DecodeConfig:
         if self.mode not in MODES:
@@ -96,12 +102,6 @@ class GenerationResult:
         """End to end: new tokens over wall time, prefill included."""
         return len(self.token_ids) / self.total_s if self.total_s > 0 else float("nan")
 
-    @property
-    def mat(self) -> float:
-        """Mean accepted tokens per cycle, the bonus token included (tau)."""
-        n = self.n_cycles
-        return (sum(self.accepted_per_cycle) + n) / n if n else float("nan")
-
 
 def _count_step(result: GenerationResult, step: int, accepted: bool) -> None:
     while len(result.step_attempts) <= step:
@@ -111,7 +111,8 @@ def _count_step(result: GenerationResult, step: int, accepted: bool) -> None:
     result.step_accepts[step] += int(accepted)
 
 
-def _check_prompt(prompt_ids, max_context: int) -> Tensor:
+def check_prompt(prompt_ids, max_context: int) -> Tensor:
+    """The prompt as ``[1, T]`` ids; refused when empty or when it fills the target's context."""
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1)  # [1, T]
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty; give at least one token.")
@@ -120,24 +121,17 @@ def _check_prompt(prompt_ids, max_context: int) -> Tensor:
     return ids
 
 
-def _choose(logits: Tensor, cfg: DecodeConfig, gen: torch.Generator) -> int:
+def stop_tokens(cfg: DecodeConfig | None, info) -> tuple[int, ...]:
+    """The tokens that end a generation, in order: ``cfg.stop_token_ids`` if given, else the target's EOS ids."""
+    given = cfg.stop_token_ids if cfg is not None else None
+    return tuple(given if given is not None else info.eos_token_ids)
+
+
+def choose_token(logits: Tensor, cfg: DecodeConfig, gen: torch.Generator) -> int:
     """The target's own pick from ``logits [V]``: argmax, or a sample of its processed distribution."""
     if cfg.temperature == 0:
         return int(logits.argmax())
     return int(sample(logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), gen))
-
-
-def _commit(result: GenerationResult, new: list[int], stops: set[int], cfg: DecodeConfig) -> bool:
-    """Append tokens to the output up to and including the first stop token; True when generation ends."""
-    for t in new:
-        result.token_ids.append(t)
-        if t in stops:
-            result.stop_reason = "stop_token"
-            return True
-        if len(result.token_ids) >= cfg.max_new_tokens:
-            result.stop_reason = "max_new_tokens"
-            return True
-    return False
 
 
 def keep_block_positions(cache, start: int, keep: list[int]) -> None:
@@ -154,9 +148,10 @@ def keep_block_positions(cache, start: int, keep: list[int]) -> None:
 
 @dataclass
 class Prefill:
-    """A prompt already run through the target, to share between generations of the same prompt (the
-    long-context benchmarks): each generation starts from a copy of ``cache``. ``seconds`` is charged to
-    every generation's ``prefill_s`` and ``total_s`` as if it had run there."""
+    """A prompt run through the target once: its cache, the logits at its last position and the hidden
+    states of some layers. A generation starts from a private :meth:`copy`, so several generations of the same
+    prompt (the long-context benchmarks) share one; ``seconds`` is charged to each generation's ``prefill_s``
+    and ``total_s`` as if it had run there."""
 
     ids: Tensor  # [1, T]
     cache: DynamicCache
@@ -164,60 +159,154 @@ class Prefill:
     hidden: dict[int, Tensor]  # layer -> [1, T, H]
     seconds: float
 
-
-@torch.inference_mode()
-def prefill_prompt(target, prompt_ids, layers=()) -> Prefill:
-    """Run ``prompt_ids`` through the target once, keeping the hidden states of ``layers``."""
-    model = target.model
-    ids = _check_prompt(prompt_ids, target.info.max_context).to(model.device)
-    t0 = time.perf_counter()
-    cache = DynamicCache(config=model.config)
-    logits, hidden = _prefill(model, ids, cache, tuple(layers))
-    return Prefill(ids, cache, logits, hidden, time.perf_counter() - t0)
-
-
-def take_prefill(
-    pre: Prefill, ids: Tensor, layers: tuple[int, ...], config
-) -> tuple[DynamicCache, Tensor, dict]:
-    """A private copy of ``pre``'s cache, its logits and the hidden states of ``layers``, checked against
-    the prompt ``ids [1, T]`` of the generation that uses it."""
-    if not torch.equal(pre.ids.to(ids.device), ids):
-        raise ValueError("the shared prefill was computed for another prompt; prefill this prompt first.")
-    missing = [layer for layer in layers if layer not in pre.hidden]
-    if missing:
-        raise ValueError(
-            f"the shared prefill lacks the hidden states of layers {missing}; prefill with them."
+    @classmethod
+    @torch.inference_mode()
+    def run(cls, target, prompt_ids, layers=(), store: dict | None = None) -> Prefill:
+        """Run ``prompt_ids`` through the target, keeping the hidden states of ``layers``. ``store``: a dict
+        that keeps prefills by prompt and layers, so that a prompt seen before is not run again."""
+        key = (tuple(torch.as_tensor(prompt_ids).reshape(-1).tolist()), tuple(layers))
+        if store is not None and key in store:
+            return store[key]
+        model = target.model
+        ids = check_prompt(prompt_ids, target.info.max_context).to(model.device)
+        t0 = time.perf_counter()
+        cache = DynamicCache(config=model.config)
+        out = model(
+            input_ids=ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            output_hidden_states=bool(layers),
         )
-    cache = DynamicCache(config=config)
-    for i, layer in enumerate(pre.cache.layers):
-        cache.update(layer.keys, layer.values, i)  # concatenation onto an empty layer: a copy
-    return cache, pre.logits, {layer: pre.hidden[layer] for layer in layers}
+        hidden = {layer: out.hidden_states[layer + 1] for layer in layers}  # [1, T, H] each
+        pre = cls(ids, cache, out.logits[0, -1], hidden, time.perf_counter() - t0)
+        if store is not None:
+            store[key] = pre
+        return pre
+
+    def copy(self, ids: Tensor, layers: tuple[int, ...], config) -> Prefill:
+        """A private copy of the cache for one generation of the prompt ``ids [1, T]``, with the hidden
+        states of ``layers``; refused if it was computed for another prompt or without those layers."""
+        if not torch.equal(self.ids.to(ids.device), ids):
+            raise ValueError("the shared prefill was computed for another prompt; prefill this prompt first.")
+        missing = [layer for layer in layers if layer not in self.hidden]
+        if missing:
+            raise ValueError(
+                f"the shared prefill lacks the hidden states of layers {missing}; prefill with them."
+            )
+        cache = DynamicCache(config=config)
+        for i, layer in enumerate(self.cache.layers):
+            cache.update(layer.keys, layer.values, i)  # concatenation onto an empty layer: a copy
+        return Prefill(
+            self.ids, cache, self.logits, {layer: self.hidden[layer] for layer in layers}, self.seconds
+        )
 
 
-def start_prompt(
-    model, ids: Tensor, layers: tuple[int, ...], prefill: Prefill | None = None
-) -> tuple[DynamicCache, Tensor, dict, float]:
-    """A generation's start: the prompt's cache, its last logits, the hidden states of ``layers`` and the
-    prefill's seconds; from a private copy of a shared :class:`Prefill` of ``ids``, or by running it."""
-    if prefill is not None:
-        cache, logits, hidden = take_prefill(prefill, ids, layers, model.config)
-        return cache, logits, hidden, prefill.seconds
-    t0 = time.perf_counter()
-    cache = DynamicCache(config=model.config)
-    logits, hidden = _prefill(model, ids, cache, layers)
-    return cache, logits, hidden, time.perf_counter() - t0
+class CycleState:
+    """What a decoding loop carries from one cycle to the next (batch size 1).
 
+    * ``result``: the output so far and everything counted (a :class:`GenerationResult` or a subclass);
+    * ``committed [1, T + max_new_tokens]``: the prompt and the committed tokens, ``root + 1`` of them so far;
+    * ``hidden``: layer -> ``[1, n, H]``, the target's hidden states of the committed positions that the
+      drafter has not seen yet (handed over by :meth:`draft`);
+    * ``done``: a stop token or ``max_new_tokens`` was reached.
 
-def _prefill(model, ids: Tensor, cache, layers: tuple[int, ...]):
-    out = model(
-        input_ids=ids,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-        output_hidden_states=bool(layers),
-    )
-    hidden = {layer: out.hidden_states[layer + 1] for layer in layers}  # [1, T, H] each
-    return out.logits[0, -1], hidden
+    The *root*, the last committed token, is not in the target's cache yet: it sits at position ``root``.
+    """
+
+    def __init__(self, target, prompt_ids, cfg: DecodeConfig, result_type=GenerationResult):
+        self.target, self.cfg, self.max_context = target, cfg, target.info.max_context
+        self.ids = check_prompt(prompt_ids, self.max_context).to(target.model.device)  # [1, T]
+        self.prompt_len = T = self.ids.shape[1]
+        self.stops = set(stop_tokens(cfg, target.info))
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.result = result_type([], T, "max_new_tokens")
+        self.committed = torch.empty(1, T + cfg.max_new_tokens, dtype=torch.long, device=self.ids.device)
+        self.committed[:, :T] = self.ids
+        self.hidden: dict[int, Tensor] = {}
+        self.done = False
+        self.t0 = time.perf_counter()
+
+    def prefill(self, layers: tuple[int, ...], shared: Prefill | None = None) -> DynamicCache:
+        """Run the prompt (or copy a ``shared`` prefill of it) and commit the target's first token; returns
+        the target's cache, which then holds the prompt."""
+        if shared is not None:
+            pre = shared.copy(self.ids, layers, self.target.model.config)
+        else:
+            pre = Prefill.run(self.target, self.ids, layers)
+        self.result.prefill_s, self.hidden = pre.seconds, pre.hidden
+        self.t0 = time.perf_counter() - pre.seconds
+        self.commit([choose_token(pre.logits, self.cfg, self.gen)])
+        return pre.cache
+
+    @property
+    def root(self) -> int:
+        """The root's position: the number of positions in the target's cache."""
+        return self.prompt_len + len(self.result.token_ids) - 1
+
+    def out_of_context(self) -> bool:
+        """True (and the stop reason set) when the target's context has no room for another position."""
+        if self.root + 1 >= self.max_context:
+            self.result.stop_reason = "context"
+            return True
+        return False
+
+    def cap(self) -> int:
+        """How many drafts this cycle can commit: room in ``max_new_tokens`` and in the context, less the bonus."""
+        P = self.root
+        return min(self.cfg.max_new_tokens - len(self.result.token_ids), self.max_context - P - 1) - 1
+
+    def draft(self, session, view, cap: int, stop_after=None) -> DraftTree:
+        """This cycle's drafts below the root (:func:`draft_cycle`); ``view``'s hidden states count as handed over."""
+        tree = draft_cycle(
+            session, self.cfg, self.committed[:, : self.root + 1], view, cap, self.gen, stop_after
+        )
+        session.end_cycle()
+        self.hidden = {}
+        return tree
+
+    def record(self, tree: DraftTree, path: list[int]) -> None:
+        """Count a drafting cycle: the drafts it accepted and the nodes it verified."""
+        self.result.accepted_per_cycle.append(len(path))
+        self.result.drafted_per_cycle.append(len(tree))
+
+    def keep_hidden(
+        self, hidden_states, layers: tuple[int, ...], keep: list[int], replace: bool = False
+    ) -> None:
+        """Add the target's hidden states of the kept block rows ``keep`` (``hidden_states``: a forward's
+        ``out.hidden_states``) to those the drafter has not seen, or ``replace`` them."""
+        if not layers:
+            return
+        idx = torch.tensor(keep, device=self.ids.device)
+        fresh = {layer: hidden_states[layer + 1].index_select(1, idx) for layer in layers}  # [1, n, H]
+        if self.hidden and not replace:
+            fresh = {layer: torch.cat([self.hidden[layer], fresh[layer]], 1) for layer in layers}
+        self.hidden = fresh
+
+    def commit(self, new: list[int]) -> bool:
+        """Append ``new`` to the output up to and including the first stop token, and to ``committed``;
+        returns (and keeps in ``done``) whether generation has ended."""
+        result, start = self.result, self.prompt_len + len(self.result.token_ids)
+        for t in new:
+            result.token_ids.append(t)
+            if t in self.stops:
+                result.stop_reason, self.done = "stop_token", True
+                break
+            if len(result.token_ids) >= self.cfg.max_new_tokens:
+                result.stop_reason, self.done = "max_new_tokens", True
+                break
+        n_in = self.prompt_len + len(result.token_ids) - start  # the tokens that made it into the output
+        self.committed[0, start : start + n_in] = torch.tensor(new[:n_in], device=self.ids.device)
+        return self.done
+
+    def roll_back(self, position: int) -> None:
+        """Forget the output from ``position`` on (strict SpecPV); the next commit writes there."""
+        del self.result.token_ids[position - self.prompt_len :]
+        self.result.stop_reason, self.done = "max_new_tokens", False
+
+    def finish(self) -> GenerationResult:
+        self.result.total_s = time.perf_counter() - self.t0
+        return self.result
 
 
 @torch.inference_mode()
@@ -227,32 +316,19 @@ def autoregressive_generate(
     """The baseline: one target forward per token on a KV cache (argmax, or a sample at temperature > 0).
     ``prefill``: start from a copy of a shared :class:`Prefill` of this prompt instead of running it."""
     cfg.validate()
-    model, max_ctx = target.model, target.info.max_context
-    ids = _check_prompt(prompt_ids, max_ctx).to(model.device)
-    stops = set(cfg.stop_token_ids if cfg.stop_token_ids is not None else target.info.eos_token_ids)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    result = GenerationResult([], ids.shape[1], "max_new_tokens")
-    if cfg.max_new_tokens > 0:
-        cache, logits, _, result.prefill_s = start_prompt(model, ids, (), prefill)
-        t0 = time.perf_counter() - result.prefill_s
-        done = _commit(result, [_choose(logits, cfg, gen)], stops, cfg)
-        pos = ids.shape[1]
-        tok = torch.empty(1, 1, dtype=torch.long, device=model.device)
-        while not done:
-            if pos + 1 >= max_ctx:
-                result.stop_reason = "context"
-                break
-            tok[0, 0] = result.token_ids[-1]
-            out = model(
-                input_ids=tok,
-                past_key_values=cache,
-                use_cache=True,
-                position_ids=torch.tensor([[pos]], device=model.device),
-            )
-            pos += 1
-            done = _commit(result, [_choose(out.logits[0, -1], cfg, gen)], stops, cfg)
-        result.total_s = time.perf_counter() - t0
-        result.verify_s = result.total_s - result.prefill_s
+    model = target.model
+    state = CycleState(target, prompt_ids, cfg)
+    if cfg.max_new_tokens == 0:
+        return state.result
+    cache = state.prefill((), prefill)
+    tok = torch.empty(1, 1, dtype=torch.long, device=model.device)
+    while not state.done and not state.out_of_context():
+        tok[0, 0] = state.result.token_ids[-1]
+        pos = torch.tensor([[state.root]], device=model.device)
+        out = model(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos)
+        state.commit([choose_token(out.logits[0, -1], cfg, state.gen)])
+    result = state.finish()
+    result.verify_s = result.total_s - result.prefill_s
     return result
 
 
@@ -295,22 +371,30 @@ def verify_sampled_chain(tree: DraftTree, p: Tensor, d2t, gen, result) -> tuple[
     return list(range(n)), int(sample(p[n], gen))
 
 
-def _verify(tree: DraftTree, logits: Tensor, cfg: DecodeConfig, gen, d2t, result) -> tuple[list[int], int]:
-    """Accepted path and bonus from the target's ``logits [N+1, V]`` over the verified block."""
+def verify_tree(
+    tree: DraftTree, logits: Tensor, cfg: DecodeConfig, gen, d2t, result
+) -> tuple[list[int], int]:
+    """The accepted path and the bonus token, from the target's ``logits [N+1, V]`` over the verified block
+    (the root, then the draft nodes); each draft step's attempt is counted in ``result``."""
     if cfg.temperature == 0:
         choice = logits.argmax(-1).tolist()
         return walk_tree(tree, choice.__getitem__, result)
     if tree.q and tree.is_chain():
         p = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)  # [n+1, V]
         return verify_sampled_chain(tree, p, d2t, gen, result)
-    return walk_tree(tree, lambda b: _choose(logits[b], cfg, gen), result)
+    return walk_tree(tree, lambda b: choose_token(logits[b], cfg, gen), result)
 
 
-def draft_cycle(session, cfg: DecodeConfig, committed: Tensor, view, cap: int, gen) -> DraftTree:
-    """One cycle's drafts: a chain or a dynamic tree of at most ``cap`` tokens below the root ``committed[-1]``."""
+def draft_cycle(
+    session, cfg: DecodeConfig, committed: Tensor, view, cap: int, gen, stop_after=None
+) -> DraftTree:
+    """One cycle's drafts: a chain or a dynamic tree of at most ``cap`` tokens below the root ``committed[-1]``.
+    ``stop_after(step, token)``: a chain stops drafting when it returns True (the greedy replay's shortcut)."""
     if cfg.mode == "chain":
         depth = min(cfg.chain_depth, cap)
-        return draft_chain(session, committed, view, depth, cfg.temperature, cfg.top_k, cfg.top_p, gen)
+        return draft_chain(
+            session, committed, view, depth, cfg.temperature, cfg.top_k, cfg.top_p, gen, stop_after
+        )
     return draft_dynamic_tree(
         session,
         committed,
@@ -345,36 +429,21 @@ def speculative_generate(
 
 @torch.inference_mode()
 def _speculative(target, drafter, prompt_ids, cfg: DecodeConfig, on_cycle, prefill=None) -> GenerationResult:
-    model, max_ctx, dev = target.model, target.info.max_context, target.model.device
-    ids = _check_prompt(prompt_ids, max_ctx).to(dev)
-    stops = set(cfg.stop_token_ids if cfg.stop_token_ids is not None else target.info.eos_token_ids)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    result = GenerationResult([], ids.shape[1], "max_new_tokens")
+    model, dev = target.model, target.model.device
+    state = CycleState(target, prompt_ids, cfg)
+    result = state.result
     if cfg.max_new_tokens == 0:
         return result
     session = drafter.new_session()
     layers = tuple(session.hidden_layers)
-    d2t = session.d2t
-    cache, logits, pending, result.prefill_s = start_prompt(model, ids, layers, prefill)
-    t0 = time.perf_counter() - result.prefill_s
-    committed = torch.empty(1, ids.shape[1] + cfg.max_new_tokens, dtype=torch.long, device=dev)  # [1, T_max]
-    committed[:, : ids.shape[1]] = ids
-    done = _commit(result, [_choose(logits, cfg, gen)], stops, cfg)
-    committed[0, ids.shape[1]] = result.token_ids[0]
+    cache = state.prefill(layers, prefill)
     mask_dtype = next(model.parameters()).dtype
-    while not done:
-        P = ids.shape[1] + len(result.token_ids) - 1  # cached positions; the root sits at P
-        if P + 1 >= max_ctx:
-            result.stop_reason = "context"
-            break
-        cap = min(cfg.max_new_tokens - len(result.token_ids), max_ctx - P - 1) - 1  # drafts that can commit
+    while not state.done and not state.out_of_context():
+        P, cap = state.root, state.cap()  # the root sits at P; cap: drafts that can commit
         t_draft = time.perf_counter()
         tree = DraftTree()
         if cap > 0:
-            view = TargetView(cache=cache, hidden=pending)
-            tree = draft_cycle(session, cfg, committed[:, : P + 1], view, cap, gen)
-            session.end_cycle()
-            pending = {}
+            tree = state.draft(session, TargetView(cache=cache, hidden=state.hidden), cap)
         t_verify = time.perf_counter()
         block = torch.tensor([[result.token_ids[-1], *tree.tokens]], device=dev)  # [1, N+1]
         positions = torch.tensor([[P, *(P + 1 + d for d in tree.depths)]], device=dev)  # [1, N+1]
@@ -389,47 +458,15 @@ def _speculative(target, drafter, prompt_ids, cfg: DecodeConfig, on_cycle, prefi
             use_cache=True,
             output_hidden_states=bool(layers),
         )
-        path, bonus = _verify(tree, out.logits[0], cfg, gen, d2t, result)
+        path, bonus = verify_tree(tree, out.logits[0], cfg, state.gen, session.d2t, result)
         keep = [0, *(i + 1 for i in path)]
         keep_block_positions(cache, P, keep)
-        if layers:
-            idx = torch.tensor(keep, device=dev)
-            fresh = {
-                layer: out.hidden_states[layer + 1].index_select(1, idx) for layer in layers
-            }  # [1, n+1, H]
-            pending = (
-                {layer: torch.cat([pending[layer], fresh[layer]], 1) for layer in layers}
-                if pending
-                else fresh
-            )
+        state.keep_hidden(out.hidden_states, layers, keep)
         if cap > 0:
-            result.accepted_per_cycle.append(len(path))
-            result.drafted_per_cycle.append(len(tree))
-        new = [tree.tokens[i] for i in path] + [bonus]
-        done = _commit(result, new, stops, cfg)
-        if not done:
-            committed[0, P + 1 : P + 1 + len(new)] = torch.tensor(new, device=dev)
+            state.record(tree, path)
+        done = state.commit([*(tree.tokens[i] for i in path), bonus])
         result.draft_s += t_verify - t_draft
         result.verify_s += time.perf_counter() - t_verify
         if on_cycle is not None and not done:
-            on_cycle(committed[:, : P + 1 + len(path)].clone(), cache)
-    result.total_s = time.perf_counter() - t0
-    return result
-
-
-def generate(
-    target, prompt_ids, cfg: DecodeConfig, drafter=None, partial=None, prefill: Prefill | None = None
-) -> GenerationResult:
-    """Decode ``prompt_ids`` with ``cfg.mode``: ``"ar"`` needs no drafter; ``"chain"`` / ``"tree"`` need one.
-    ``partial`` (a :class:`~kvshot_lib.decoding.specpv.SpecPVConfig`) verifies against a partial KV cache
-    (SpecPV, :func:`~kvshot_lib.decoding.specpv.specpv_generate`); ``prefill`` shares a prompt's prefill."""
-    cfg.validate()
-    if partial is not None:
-        from .specpv import specpv_generate  # the partial verifier builds on this engine
-
-        return specpv_generate(target, drafter, prompt_ids, cfg, partial, prefill=prefill)
-    if cfg.mode == "ar":
-        return autoregressive_generate(target, prompt_ids, cfg, prefill)
-    if drafter is None:
-        raise ValueError(f"mode={cfg.mode!r} needs a drafter; use mode='ar' for plain decoding.")
-    return speculative_generate(target, drafter, prompt_ids, cfg, prefill=prefill)
+            on_cycle(state.committed[:, : P + 1 + len(path)].clone(), cache)
+    return state.finish()

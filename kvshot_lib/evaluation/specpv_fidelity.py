@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..decoding.engine import DecodeConfig, autoregressive_generate, prefill_prompt
+from ..decoding.engine import DecodeConfig, Prefill, autoregressive_generate
 from ..decoding.specpv import PartialStep, SpecPVConfig, full_block, specpv_generate
 from . import metrics
 
@@ -130,7 +130,7 @@ def run_fidelity(
     grid = [(b, p, m) for b in budgets for p in full_everys for m in modes]
     todo = [(ctx, i, ids) for ctx, group in prompts.items() for i, ids in enumerate(group)]
     for ctx, i, ids in tqdm(todo, desc="SpecPV fidelity", disable=not progress):
-        pre = shared_prefill(prefills, target, ids, layers)
+        pre = Prefill.run(target, ids, layers, store=prefills)
         reference = autoregressive_generate(target, ids, replace(cfg, mode="ar"), prefill=pre).token_ids
         ref_text = tok.decode(reference, skip_special_tokens=True)
         for budget, full_every, mode in grid:
@@ -158,18 +158,6 @@ def run_fidelity(
             )
         del pre
     return pd.DataFrame(runs), pd.DataFrame(steps)
-
-
-def shared_prefill(store: dict | None, target, ids: list[int], layers: tuple[int, ...]):
-    """The :class:`~kvshot_lib.decoding.engine.Prefill` of ``ids`` with ``layers``' hidden states, from
-    ``store`` when it holds one (else computed, and kept there when ``store`` is a dict)."""
-    key = (tuple(ids), tuple(layers))
-    if store is not None and key in store:
-        return store[key]
-    pre = prefill_prompt(target, ids, layers)
-    if store is not None:
-        store[key] = pre
-    return pre
 
 
 def mat_by_kind(accepted_per_cycle: list[int], cycle_kind: list[str]) -> dict:

@@ -1,6 +1,6 @@
 """SpecPV's speed at long context: plain decoding, lossless speculative decoding and SpecPV, in one run.
 
-For each long prompt the target prefills once (:func:`~kvshot_lib.decoding.engine.prefill_prompt`) and
+For each long prompt the target prefills once (:meth:`~kvshot_lib.decoding.engine.Prefill.run`) and
 every method starts from a private copy of that cache, so the 4k-8k-token prefill (tens of seconds on a
 CPU) is paid once per prompt, not once per method. Methods, interleaved per prompt so that a slow spell of
 a shared machine hits them alike (one untimed warm-up first):
@@ -24,10 +24,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding.engine import DecodeConfig, generate
+from ..decoding.dispatch import generate
+from ..decoding.engine import DecodeConfig, Prefill
 from ..decoding.specpv import SpecPVConfig
 from . import metrics
-from .specpv_fidelity import first_divergence, mat_by_kind, shared_prefill
+from .specpv_fidelity import first_divergence, mat_by_kind
 
 
 def speed_plan(budgets, full_everys, modes) -> list[tuple[str, int | None, int | None]]:
@@ -73,7 +74,7 @@ def run_speed(
     todo = [(ctx, i, ids) for ctx, group in prompts.items() for i, ids in enumerate(group)]
     rows = []
     for n, (ctx, i, ids) in enumerate(tqdm(todo, desc="SpecPV speed", disable=not progress)):
-        pre = shared_prefill(prefills, target, ids, layers)
+        pre = Prefill.run(target, ids, layers, store=prefills)
         if on_prefill is not None:
             on_prefill(ctx, i, pre)
         if n == 0:  # untimed warm-up of every code path
@@ -159,6 +160,6 @@ def speed_table(rows: pd.DataFrame, machine: str) -> pd.DataFrame:
         sums[f"{phase[:-2]}_ms_per_token"] = 1000 * sums[phase] / sums.n_tokens
     for kind in ("partial", "full"):
         c = sums[f"cycles_{kind}"]
-        sums[f"mat_{kind}"] = [(a + k) / k if k else math.nan for a, k in zip(sums[f"accepted_{kind}"], c)]
+        sums[f"mat_{kind}"] = [metrics.mat_from_counts(a, k) for a, k in zip(sums[f"accepted_{kind}"], c)]
     sums["machine"] = machine
     return sums
