@@ -1,4 +1,5 @@
-"""The reference run's driver on the CPU: the plan, what a job brings back, the checkpoints, the merge.
+"""The reference run's remote-job transport (``scripts/reference/``) on the CPU: the plan, what a job brings
+back, the checkpoints, the merge.
 
 * Reference checkpoints (bf16, trainable weights only) load on the CPU with their target and refuse another
   one (another architecture, or the same architecture with other weights); split files reassemble exactly.
@@ -17,9 +18,11 @@ import torch
 
 from kvshot_lib.drafters import DrafterTargetMismatch, build_drafter, drafter_config_for, load_drafter
 from kvshot_lib.evaluation import AcceptanceRun, acceptance_summary, bootstrap_acceptance
-from kvshot_lib.reference import merge, outputs
-from kvshot_lib.reference.plan import PlanError, load_plan
+from kvshot_lib.reference import PlanError, load_plan
 from kvshot_lib.target import REPO_ROOT, load_target
+
+sys.path.insert(0, str(REPO_ROOT / "scripts" / "reference"))
+from transport import merge, outputs  # noqa: E402
 
 RUN_JOB = REPO_ROOT / "scripts" / "reference" / "run_job.py"
 
