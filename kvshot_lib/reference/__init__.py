@@ -10,64 +10,20 @@ A remote GPU with limits of its own (minutes per command, files per call) is a t
 ``scripts/reference/`` packs the assets, time-boxes jobs around these functions and merges what comes back.
 """
 
+from . import plan, run, tables
 from .plan import Job, Plan, PlanError, Row, load_plan
-from .run import (
-    STEPS,
-    RowData,
-    batched_references,
-    checkpoint_path,
-    data_splits,
-    draft_vocab,
-    drafter_dir,
-    environment,
-    evaluate,
-    init_path,
-    load_reference_target,
-    regenerate_split,
-    row_data,
-    run_reference,
-    train_row,
-    trained_tables,
-)
-from .tables import (
-    FIGURES,
-    KEYS,
-    acceptance_tables,
-    per_step_rows,
-    reference_table,
-    replace_rows,
-    row_tables,
-    update_run,
-)
+from .run import run_reference
+from .tables import update_run
 
 __all__ = [
-    "FIGURES",
-    "KEYS",
-    "STEPS",
     "Job",
     "Plan",
     "PlanError",
     "Row",
-    "RowData",
-    "acceptance_tables",
-    "batched_references",
-    "checkpoint_path",
-    "data_splits",
-    "draft_vocab",
-    "drafter_dir",
-    "environment",
-    "evaluate",
-    "init_path",
     "load_plan",
-    "load_reference_target",
-    "per_step_rows",
-    "reference_table",
-    "regenerate_split",
-    "replace_rows",
-    "row_data",
-    "row_tables",
+    "plan",
+    "run",
     "run_reference",
-    "train_row",
-    "trained_tables",
+    "tables",
     "update_run",
 ]

@@ -21,12 +21,12 @@ Each piece takes what it needs as arguments, so a runner with limits of its own 
 from __future__ import annotations
 
 import dataclasses
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from ..corpus import cached_regeneration, regenerate_sharegpt, tokenize_sharegpt
@@ -40,19 +40,10 @@ STEPS = ("regenerate", "train", "eval")
 
 def environment(device: str) -> dict:
     """The machine and the software a run used (``reference_jobs.csv``)."""
-    import transformers
+    from ..evaluation.speedup import machine_info
 
-    env = dict(
-        python=platform.python_version(),
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        device=device,
-        host=platform.node(),
-        started=time.strftime("%Y-%m-%d %H:%M:%S"),
-    )
-    if device.startswith("cuda") and torch.cuda.is_available():
-        env.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda)
-    return env
+    env = dict(machine_info(), device=device, started=time.strftime("%Y-%m-%d %H:%M:%S"))
+    return dict(env, gpu=env["gpu"] if device.startswith("cuda") else None)
 
 
 def load_reference_target(plan: Plan, device: str):
@@ -188,16 +179,6 @@ def train_row(
     return result, summary
 
 
-def trained_tables(results_and_summaries) -> dict:
-    """The run's tables of ``[(result, summary), ...]`` (:func:`~.tables.row_tables`)."""
-    import pandas as pd
-
-    summary = pd.DataFrame([s for _, s in results_and_summaries])
-    histories = {s["drafter"]: r.table("history") for r, s in results_and_summaries}
-    evals = {s["drafter"]: r.table("eval") for r, s in results_and_summaries}
-    return row_tables(summary, histories, evals)
-
-
 # --------------------------------------------------------------------------------------------- regenerate
 
 
@@ -302,70 +283,45 @@ def run_reference(
     progress: bool = True,
     **train_overrides,
 ) -> dict:
-    """The run on this machine (module docstring): ``steps`` of :data:`STEPS`, ``rows`` (default: every row of
-    the plan, in its jobs' order). Tables and figures go to ``root/runs/<profile>/`` and ``root/figures/<profile>/``."""
-    bad = [s for s in steps if s not in STEPS]
-    if bad:
-        raise PlanError(f"unknown steps {bad}; the run's steps are {list(STEPS)}.")
+    """The run on this machine (module docstring): ``steps`` of :data:`STEPS`, ``rows`` (default: every row in
+    the order of the plan's jobs; evaluated: the eval job's). Writes ``root/runs/<profile>/``, ``root/figures/``."""
+    if any(s not in STEPS for s in steps):
+        raise PlanError(f"the run's steps are {list(STEPS)}, got {list(steps)}.")
     order = [r for job in plan.jobs.values() if job.kind == "train" for r in job.rows]
-    order += [r for r in plan.rows if r not in order]
-    names = [plan.row(r).name for r in rows] if rows else order
-    evaluated = [r for job in plan.jobs.values() if job.kind == "eval" for r in job.rows]
-    t0, env = time.perf_counter(), environment(device)
-    target = load_reference_target(plan, device)
-    out_dir, record = drafter_dir(plan, root), dict(steps=list(steps))
+    names = [plan.row(r).name for r in rows] if rows else order + [r for r in plan.rows if r not in order]
+    t0, env, record = time.perf_counter(), environment(device), dict(steps=list(steps))
+    target, out_dir = load_reference_target(plan, device), drafter_dir(plan, root)
 
-    def job_row(kind: str, rows_done) -> dict:
-        return {"reference_jobs.csv": _job_table(env, kind, rows_done, time.perf_counter() - t0)}
+    def update(tables: dict, kind: str, done: list[str]) -> None:
+        info = dict(job=f"{kind}@{env['host']}", kind=kind, rows=" ".join(done), gpu=env["gpu"] or device,
+                    torch=env["torch"], transformers=env["transformers"], started=env["started"],
+                    seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
+        update_run(plan, {**tables, "reference_jobs.csv": pd.DataFrame([info])}, root)
 
     if "regenerate" in steps and plan.data.get("responses", "regenerated") == "regenerated":
         record["regenerated"] = {
             s: len(regenerate_split(plan, target, s, progress=progress)[0]) for s in ("eval", "train")
         }
     if "train" in steps:
-        data, d2t, trained = {}, None, []
-        for name in names:
+        data, d2t, summaries, histories, evals = {}, None, [], {}, {}
+        for name in names:  # the tables are rewritten after each row: a stopped run keeps what it finished
             row = plan.row(name)
-            if row.responses not in data:
-                data[row.responses] = row_data(plan, target, row)
+            data[row.responses] = data.get(row.responses) or row_data(plan, target, row)
             d2t = d2t if d2t is not None else draft_vocab(plan, target, row.train_config().draft_vocab_size)
             init = init_path(plan, row, out_dir)
-            trained.append(
-                train_row(
-                    plan,
-                    row,
-                    target,
-                    data[row.responses],
-                    d2t,
-                    out_dir / name,
-                    init,
-                    progress,
-                    **train_overrides,
-                )
+            result, summary = train_row(
+                plan, row, target, data[row.responses], d2t, out_dir / name, init, progress, **train_overrides
             )
-            update_run(plan, {**trained_tables(trained), **job_row("train", names)}, root)
+            summaries.append(summary)
+            histories[name], evals[name] = result.table("history"), result.table("eval")
+            update(row_tables(pd.DataFrame(summaries), histories, evals), "train", names[: len(summaries)])
         record["trained"] = names
     if "eval" in steps:
         from ..drafters import NgramDrafter, load_drafter
 
-        chosen = [r for r in (rows or evaluated)]
+        chosen = rows or [r for job in plan.jobs.values() if job.kind == "eval" for r in job.rows]
         drafters = {name: load_drafter(checkpoint_path(plan, name, out_dir), target) for name in chosen}
         drafters["ngram"] = NgramDrafter(target.info.vocab_size)
-        runs, done = evaluate(plan, target, drafters, progress=progress)
-        update_run(
-            plan,
-            {**acceptance_tables(runs, plan.eval.get("bootstrap", 1000)), **job_row("eval", chosen)},
-            root,
-        )
-        record["evaluated"] = done
+        runs, record["evaluated"] = evaluate(plan, target, drafters, progress=progress)
+        update(acceptance_tables(runs, plan.eval.get("bootstrap", 1000)), "eval", chosen)
     return record
-
-
-def _job_table(env: dict, kind: str, rows, seconds: float):
-    import pandas as pd
-
-    info = dict(
-        job=f"{kind}@{env['host']}", kind=kind, rows=" ".join(rows), gpu=env.get("gpu", env["device"]),
-        torch=env["torch"], transformers=env["transformers"], started=env["started"], seconds=round(seconds, 1),
-    )  # fmt: skip
-    return pd.DataFrame([info])

@@ -129,7 +129,7 @@ def cmd_stage(args) -> None:
 def cmd_job(args) -> None:
     from transport import jobs, outputs, payload
 
-    from kvshot_lib.reference import PlanError, checkpoint_path, init_path
+    from kvshot_lib.reference import PlanError, run
 
     plan = load(args)
     try:
@@ -162,9 +162,9 @@ def cmd_job(args) -> None:
         for r in job.rows:
             row = plan.row(r)
             if job.kind == "eval":
-                checkpoint_path(plan, r, outputs.runs_dir())
+                run.checkpoint_path(plan, r, outputs.runs_dir())
             elif row.init_row and row.init_row not in job.rows:
-                init_path(plan, row, outputs.runs_dir())
+                run.init_path(plan, row, outputs.runs_dir())
     except PlanError as e:
         fail(str(e))
     result = jobs.run(plan, job, Path(out), device, T0, minutes, progress=not args.quiet)

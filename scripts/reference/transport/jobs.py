@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from kvshot_lib import reference
 from kvshot_lib.reference import Job, Plan
+from kvshot_lib.reference import run as reference
 
 from . import outputs
 from .payload import staged_prompts

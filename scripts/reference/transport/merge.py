@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvshot_lib.reference import KEYS, replace_rows, row_tables, update_run
+from kvshot_lib.reference import tables, update_run
 from kvshot_lib.target import REPO_ROOT, cache_dir
 
 from . import outputs
@@ -46,19 +46,19 @@ def job_folders(sources) -> list[Path]:
 
 
 def job_tables(folder: Path) -> dict[str, pd.DataFrame]:
-    """The run's tables that one job folder brings (:data:`kvshot_lib.reference.KEYS`)."""
+    """The run's tables that one job folder brings (:data:`kvshot_lib.reference.tables.KEYS`)."""
     m = outputs.read_tables(folder / outputs.TABLES)
     env = json.loads(m.get("environment.json", b"{}") or b"{}")
     job = json.loads(m.get("job.json", b"{}") or b"{}")
     summary = outputs.csv_member(m, "summary.csv")
     rows = list(summary["drafter"]) if "drafter" in summary else []
-    tables = row_tables(
+    found = tables.row_tables(
         summary,
         {d: outputs.csv_member(m, f"rows/{d}/history.csv") for d in rows},
         {d: outputs.csv_member(m, f"rows/{d}/eval.csv") for d in rows},
     )
     for t in ("acceptance_by_step.csv", "acceptance_summary.csv", "acceptance_bootstrap.csv"):
-        tables[t] = outputs.csv_member(m, t)
+        found[t] = outputs.csv_member(m, t)
     info = dict(
         job=env.get("job", folder.name),
         kind=env.get("kind", ""),
@@ -69,8 +69,8 @@ def job_tables(folder: Path) -> dict[str, pd.DataFrame]:
         started=env.get("started", ""),
         seconds=job.get("seconds"),
     )
-    tables["reference_jobs.csv"] = pd.DataFrame([info])
-    return tables
+    found["reference_jobs.csv"] = pd.DataFrame([info])
+    return found
 
 
 def merge(plan, sources, root: Path = REPO_ROOT, name: str | None = None, verify_target=None) -> dict:
@@ -81,7 +81,7 @@ def merge(plan, sources, root: Path = REPO_ROOT, name: str | None = None, verify
     jobs, checkpoints, regenerated = [], [], []
     for folder in job_folders(sources):
         for t, df in job_tables(folder).items():
-            new[t] = replace_rows(new.get(t, pd.DataFrame()), df, KEYS[t])
+            new[t] = tables.replace_rows(new.get(t, pd.DataFrame()), df, tables.KEYS[t])
         jobs.append(new["reference_jobs.csv"].iloc[-1].to_dict())
         checkpoints += _import_checkpoints(folder, root, name)
         regenerated += _keep_regenerated(folder, root, name)

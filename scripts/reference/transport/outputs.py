@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvshot_lib.drafters import checkpoint
-from kvshot_lib.reference import acceptance_tables
+from kvshot_lib.reference import tables
 from kvshot_lib.target import cache_dir
 
 CONFIG_FILE, WEIGHTS_FILE = checkpoint.CONFIG_FILE, checkpoint.WEIGHTS_FILE
@@ -159,7 +159,7 @@ def add_regenerated(out: Path, folder: Path, raw_budget: int = 40 * MiB) -> list
 
 
 def write_acceptance(out: Path, runs, n_boot: int, done: list[dict]) -> None:
-    for name, table in acceptance_tables(runs, n_boot).items():
+    for name, table in tables.acceptance_tables(runs, n_boot).items():
         table.to_csv(scratch(out) / name, index=False)
     (scratch(out) / "acceptance_done.json").write_text(json.dumps(done, indent=1))
     pack_tables(out)
