@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from .style import COLUMN, PAGE, PARADIGM_COLORS, drafter_color, finish_figure
+from .style import COLUMN, PAGE, PARADIGM_COLORS, REGIME_STYLES, drafter_color, finish_figure
 
 BASELINE_LOOKS = {  # the estimates every drafter is compared with
     "stale": dict(color="0.35", ls="--"),
@@ -57,9 +57,12 @@ def _estimates(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def _line_kw(line: str, paradigms: dict) -> dict:
+    """A baseline's look, or a drafter's: colour by paradigm, line by regime (the name's suffix: ``kv-tf`` is
+    dotted, ``kv-ttt`` solid), as in notebook 02's figures, so two drafters of one paradigm stay apart."""
     if line in BASELINE_LOOKS:
         return BASELINE_LOOKS[line]
-    return dict(color=drafter_color(line, paradigms.get(line)), ls="-")
+    regime = line.rsplit("-", 1)[-1]
+    return dict(color=drafter_color(line, paradigms.get(line)), ls=REGIME_STYLES.get(regime, "-"))
 
 
 def plot_query_error_by_step(by_step: pd.DataFrame, metrics=("out_err", "kl_bits", "unavailable_mass")):
