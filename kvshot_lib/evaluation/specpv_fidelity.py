@@ -1,4 +1,4 @@
-"""How close SpecPV stays to lossless decoding: the fidelity sweep over budget × P at temperature 0.
+"""How close SpecPV stays to lossless decoding: the fidelity sweep over budget × ``full_every`` at temperature 0.
 
 Per generation, against plain greedy decoding of the same prompt (the lossless output):
 
@@ -114,12 +114,13 @@ def run_fidelity(
     cfg: DecodeConfig,
     budgets,
     full_everys,
-    modes=("specpv",),
+    variants=("specpv",),
     base: SpecPVConfig | None = None,
     progress: bool = True,
     prefills: dict | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Greedy SpecPV on every prompt (``{context length: [prompt ids]}``) for every budget × P × mode,
+    """Greedy SpecPV on every prompt (``{context length: [prompt ids]}``) for every budget × full_every × variant
+    (the tables keep the variant in their ``mode`` column),
     against plain greedy decoding. Returns the per-generation table and the per-row probe table.
     ``prefills``: a dict shared with :func:`~.specpv_speed.run_speed` to prefill each prompt once."""
     cfg = replace(cfg, temperature=0.0).validate()
@@ -127,17 +128,17 @@ def run_fidelity(
     tok = target.tokenizer
     layers = tuple(drafter.new_session().hidden_layers) if drafter is not None else ()
     runs, steps = [], []
-    grid = [(b, p, m) for b in budgets for p in full_everys for m in modes]
+    grid = [(b, p, v) for b in budgets for p in full_everys for v in variants]
     todo = [(ctx, i, ids) for ctx, group in prompts.items() for i, ids in enumerate(group)]
     for ctx, i, ids in tqdm(todo, desc="SpecPV fidelity", disable=not progress):
         pre = Prefill.run(target, ids, layers, store=prefills)
         reference = autoregressive_generate(target, ids, replace(cfg, mode="ar"), prefill=pre).token_ids
         ref_text = tok.decode(reference, skip_special_tokens=True)
-        for budget, full_every, mode in grid:
-            pv = replace(base, budget=budget, full_every=full_every, strict=mode == "strict").validate()
+        for budget, full_every, variant in grid:
+            pv = replace(base, budget=budget, full_every=full_every, strict=variant == "strict").validate()
             probe = FidelityProbe()
             out = specpv_generate(target, drafter, ids, cfg, pv, on_partial=probe, prefill=pre)
-            key = dict(context=ctx, prompt=i, budget=budget, full_every=full_every, mode=mode)
+            key = dict(context=ctx, prompt=i, budget=budget, full_every=full_every, mode=variant)
             steps += [{**key, **row} for row in probe.rows]
             agree = [r["top1_agree"] for r in probe.rows]
             runs.append(
@@ -171,7 +172,7 @@ def mat_by_kind(accepted_per_cycle: list[int], cycle_kind: list[str]) -> dict:
 
 
 def fidelity_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Mean over prompts per context × budget × P × mode."""
+    """Mean over prompts per context × budget × full_every × variant (column ``mode``)."""
     keys = ["context", "budget", "full_every", "mode"]
     cols = [
         "exact_match",
