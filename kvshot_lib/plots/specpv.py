@@ -36,7 +36,8 @@ def _palette(values) -> dict:
 
 def plot_fidelity(runs: pd.DataFrame):
     """Exact match, teacher-forced top-1 agreement and ROUGE-L against lossless decoding, by budget; one
-    line per P (colour) and context (style), 95% bootstrap interval over prompts (``specpv`` mode)."""
+    line per full_every (colour) and context (style), 95% bootstrap interval over prompts where there are several
+    (the ``specpv`` variant)."""
     d = runs[runs["mode"] == "specpv"].copy()
     d["P"] = d["full_every"].astype(str)
     d["context"] = d["context"].astype(str)
