@@ -3,8 +3,8 @@
 * :func:`generate` (:mod:`.dispatch`) decodes a prompt in one of three *modes*: plainly (``ar``), with a chain
   of drafts, or with an EAGLE-2 dynamic tree (:class:`DecodeConfig`), verifying greedily or with the
   rejection-sampling rule (:mod:`.sampling`);
-* :mod:`.engine` holds the loops and their parts: a :class:`Prefill` of the prompt, then *cycles* (draft,
-  verify, commit) carried by a :class:`CycleState`;
+* :mod:`.cycle` holds what every loop shares: a :class:`Prefill` of the prompt, then *cycles* (draft, verify,
+  commit) carried by a :class:`CycleState`; :mod:`.engine` verifies and runs the plain and speculative loops;
 * :mod:`.tree` drafts one cycle through a drafter's session; :mod:`.kernels` holds the small-batch matmul
   that makes verifying a block cheap on a CPU;
 * :mod:`.specpv` verifies against a partial KV cache (:mod:`.partial_kv`: sinks, retrieved blocks, a
@@ -15,17 +15,20 @@ It hands :class:`GenerationResult` objects (tokens, accepted tokens per cycle, p
 evaluation.
 """
 
-from .dispatch import generate
-from .engine import (
+from .cycle import (
     MODES,
     CycleState,
     DecodeConfig,
     GenerationResult,
     Prefill,
-    autoregressive_generate,
+    draft_cycle,
     keep_block_positions,
-    speculative_generate,
     stop_tokens,
+)
+from .dispatch import generate
+from .engine import (
+    autoregressive_generate,
+    speculative_generate,
     verify_sampled_chain,
     verify_tree,
     walk_tree,
@@ -70,6 +73,7 @@ __all__ = [
     "check_sampling_args",
     "compact_attention",
     "draft_chain",
+    "draft_cycle",
     "draft_dynamic_tree",
     "generate",
     "keep_block_positions",

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from ..drafters.baselines import BASELINES, is_baseline_name, resolve_drafter
+from .cycle import MODES, DecodeConfig
 from .dispatch import generate
-from .engine import MODES, DecodeConfig
 from .specpv import SpecPVConfig
 
 

@@ -6,7 +6,8 @@ imports both; neither imports it.
 
 from __future__ import annotations
 
-from .engine import DecodeConfig, GenerationResult, Prefill, autoregressive_generate, speculative_generate
+from .cycle import DecodeConfig, GenerationResult, Prefill
+from .engine import autoregressive_generate, speculative_generate
 from .specpv import SpecPVConfig, specpv_generate
 
 
@@ -20,7 +21,7 @@ def generate(
 ) -> GenerationResult:
     """Decode ``prompt_ids`` with ``cfg.mode``: ``"ar"`` needs no drafter; ``"chain"`` / ``"tree"`` need one.
     ``partial`` verifies against a partial KV cache (SpecPV, :func:`~.specpv.specpv_generate`); ``prefill``
-    starts from a copy of a shared :class:`~.engine.Prefill` of this prompt."""
+    starts from a copy of a shared :class:`~.cycle.Prefill` of this prompt."""
     cfg.validate()
     if partial is not None:
         return specpv_generate(target, drafter, prompt_ids, cfg, partial, prefill=prefill)

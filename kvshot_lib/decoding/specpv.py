@@ -26,8 +26,8 @@ One cycle (batch size 1):
 
 ``full_every=0`` verifies fully every cycle: lossless speculative decoding. Phase times, the kind of each
 cycle and every rollback are recorded in :class:`SpecPVResult`. In the code, ``P`` is always the root's
-position, never ``full_every``. The loop (:func:`_specpv`) drafts through the engine's
-:class:`~.engine.CycleState`, then runs one of :class:`_Passes`' two passes; a strict rollback
+position, never ``full_every``. The loop (:func:`_specpv`) drafts through the
+:class:`~.cycle.CycleState`, then runs one of :class:`_Passes`' two passes; a strict rollback
 (:meth:`_Passes._roll_back`) starts the cycle over.
 """
 
@@ -44,14 +44,8 @@ from transformers import DynamicCache
 from ..drafters.base import TargetView
 from ..drafters.tree_mask import ancestor_matrix, tree_attention_mask
 from ..target.capture import capture
-from .engine import (
-    CycleState,
-    DecodeConfig,
-    GenerationResult,
-    Prefill,
-    keep_block_positions,
-    verify_tree,
-)
+from .cycle import CycleState, DecodeConfig, GenerationResult, Prefill, keep_block_positions
+from .engine import verify_tree
 from .kernels import small_batch_linear
 from .partial_kv import PartialKVCache, PartialKVConfig, compact_attention_mode
 from .sampling import accept_draft_tokens, logits_to_probs, residual_probs, sample

@@ -28,16 +28,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from ..corpus import answer_text, chat_prompt_ids, load_mtbench, mtbench_messages
-from ..decoding.engine import (
-    CycleState,
-    DecodeConfig,
-    GenerationResult,
-    autoregressive_generate,
-    speculative_generate,
-    stop_tokens,
-    walk_tree,
-)
+from ..corpus import answer_text, batched_greedy, chat_prompt_ids, load_mtbench, mtbench_messages
+from ..decoding.cycle import CycleState, DecodeConfig, GenerationResult, stop_tokens
+from ..decoding.engine import autoregressive_generate, speculative_generate, walk_tree
 from ..decoding.tree import DraftTree
 from ..drafters.base import TargetView
 from . import metrics
@@ -77,12 +70,14 @@ class AcceptanceRun:
 
 
 def greedy_references(
-    target, n_questions: int | None, max_new_tokens: int, progress: bool = True, cache=None
+    target, n_questions: int | None, max_new_tokens: int, progress: bool = True, cache=None, batch_size=None
 ) -> list[Reference]:
     """Both turns of the first ``n_questions`` MT-bench questions, greedy; turn 2 sees turn 1's answer.
 
     ``cache``: a JSON file that keeps them for this target and these settings (notebook 03 writes it and
-    notebook 04 reads the same references back instead of decoding them again)."""
+    notebook 04 reads the same references back instead of decoding them again). ``batch_size``: decode each
+    turn's prompts in batches (the reference run on a GPU): batched greedy decoding equals one-at-a-time greedy
+    decoding up to float rounding (``tests/test_regenerate.py``)."""
     spec = dict(
         target=target.info.name, fingerprint=target.info.fingerprint, n=n_questions, new=max_new_tokens
     )
@@ -90,25 +85,39 @@ def greedy_references(
         saved = json.loads(Path(cache).read_text())
         if saved.get("spec") == spec:
             return [Reference(**r) for r in saved["references"]]
-    refs = _decode_references(target, n_questions, max_new_tokens, progress)
+    refs = _decode_references(target, n_questions, max_new_tokens, progress, batch_size)
     if cache is not None:
         Path(cache).parent.mkdir(parents=True, exist_ok=True)
         Path(cache).write_text(json.dumps(dict(spec=spec, references=[dataclasses.asdict(r) for r in refs])))
     return refs
 
 
-def _decode_references(target, n_questions, max_new_tokens: int, progress: bool) -> list[Reference]:
+def _decode_references(
+    target, n_questions, max_new_tokens: int, progress: bool, batch_size=None
+) -> list[Reference]:
     stops = set(stop_tokens(None, target.info))
     cfg = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens, stop_token_ids=())
-    refs = []
-    for q in tqdm(load_mtbench(n_questions), desc="greedy references", disable=not progress):
-        first = None
-        for turn in (0, 1):
-            prompt = chat_prompt_ids(target.tokenizer, mtbench_messages(q, turn, first))
-            ids = autoregressive_generate(target, prompt, cfg).token_ids
-            refs.append(Reference(q.question_id, turn, prompt, ids))
-            first = answer_text(target.tokenizer, ids, stops)
-    return refs
+    questions = load_mtbench(n_questions)
+    firsts, refs = [None] * len(questions), {}
+    for turn in (0, 1):
+        prompts = [
+            chat_prompt_ids(target.tokenizer, mtbench_messages(q, turn, firsts[i]))
+            for i, q in enumerate(questions)
+        ]
+        if batch_size:
+            chunks = range(0, len(prompts), batch_size)
+            ids = [
+                x
+                for a in chunks
+                for x in batched_greedy(target, prompts[a : a + batch_size], max_new_tokens, stop=False)
+            ]
+        else:
+            bar = tqdm(prompts, desc=f"greedy references, turn {turn + 1}", disable=not progress)
+            ids = [autoregressive_generate(target, p, cfg).token_ids for p in bar]
+        for i, (q, prompt, out) in enumerate(zip(questions, prompts, ids)):
+            refs[i, turn] = Reference(q.question_id, turn, prompt, out)
+            firsts[i] = answer_text(target.tokenizer, out, stops)
+    return [refs[i, turn] for i in range(len(questions)) for turn in (0, 1)]
 
 
 def cache_prefix(cache, n: int):

@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..decoding.engine import Prefill
+from ..decoding.cycle import Prefill
 from ..decoding.partial_kv import PartialKVCache, PartialKVConfig
 
 QWEN3_8B_H100 = dict(

@@ -1,6 +1,6 @@
 """SpecPV's speed at long context: plain decoding, lossless speculative decoding and SpecPV, in one run.
 
-For each long prompt the target prefills once (:meth:`~kvshot_lib.decoding.engine.Prefill.run`) and
+For each long prompt the target prefills once (:meth:`~kvshot_lib.decoding.cycle.Prefill.run`) and
 every method starts from a private copy of that cache, so the 4k-8k-token prefill (tens of seconds on a
 CPU) is paid once per prompt, not once per method. Methods, interleaved per prompt so that a slow spell of
 a shared machine hits them alike (one untimed warm-up first):
@@ -24,8 +24,8 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from ..decoding.cycle import DecodeConfig, Prefill
 from ..decoding.dispatch import generate
-from ..decoding.engine import DecodeConfig, Prefill
 from ..decoding.specpv import SpecPVConfig
 from . import metrics
 from .specpv_fidelity import first_divergence, mat_by_kind

@@ -25,8 +25,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..corpus import answer_text, chat_prompt_ids, load_mtbench, mtbench_messages
+from ..decoding.cycle import DecodeConfig, GenerationResult, stop_tokens
 from ..decoding.dispatch import generate
-from ..decoding.engine import DecodeConfig, GenerationResult, stop_tokens
 from . import metrics
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup")

@@ -70,7 +70,11 @@ def _speedup_counts(t):
 
 def _specpv_counts(t):
     n = t["specpv_fidelity_runs.csv"].groupby(["context", "budget", "full_every", "mode"]).size().max()
-    return f"each point: {n} prompts; band: 95% bootstrap interval" if n > 1 else "each point: one prompt (no interval)"
+    return (
+        f"each point: {n} prompts; band: 95% bootstrap interval"
+        if n > 1
+        else "each point: one prompt (no interval)"
+    )
 
 
 def _speed_machine(t, name="specpv_speed.csv"):

@@ -207,7 +207,7 @@ def evaluate(
     progress: bool = True,
 ):
     """MT-bench acceptance of ``drafters`` (``{name: drafter}``): chain and tree at temperature 0 by greedy replay
-    on batched greedy references, then a chain at temperature 1 with the engine. ``keep_going(seconds)`` is asked
+    on greedy references decoded in batches, then a chain at temperature 1 with the engine. ``keep_going(seconds)`` is asked
     before each measurement (a runner's clock); ``on_progress(runs, done)`` after each. Returns (runs, done)."""
     from ..decoding import DecodeConfig
     from ..evaluation import acceptance
@@ -222,7 +222,9 @@ def evaluate(
         tree_budget=tree["budget"],
     )
     cfgs = acceptance.mode_configs(base, ["chain", "tree"])
-    refs = batched_references(target, e["n_questions"], e["max_new_tokens"])
+    refs = acceptance.greedy_references(
+        target, e["n_questions"], e["max_new_tokens"], progress, batch_size=80
+    )
     runs, done = [], []
     for mode in ("chain", "tree"):
         for name, d in drafters.items():
@@ -243,32 +245,6 @@ def evaluate(
         if on_progress is not None:
             on_progress(runs, done)
     return runs, done
-
-
-def batched_references(target, n_questions: int, max_new_tokens: int, batch_size: int = 80):
-    """MT-bench greedy references for the replay, both turns, decoded in batches (turn 2 sees turn 1's answer).
-
-    Batched greedy decoding equals one-at-a-time decoding up to float rounding (``tests/test_regenerate.py``);
-    the replay then scores every drafter against these tokens with the target's states over them."""
-    from ..corpus import answer_text, batched_greedy, chat_prompt_ids, load_mtbench, mtbench_messages
-    from ..decoding import stop_tokens
-    from ..evaluation.acceptance import Reference
-
-    stops = set(stop_tokens(None, target.info))
-    questions = load_mtbench(n_questions)
-    refs, firsts = [], [None] * len(questions)
-    for turn in (0, 1):
-        prompts = [
-            chat_prompt_ids(target.tokenizer, mtbench_messages(q, turn, firsts[i]))
-            for i, q in enumerate(questions)
-        ]
-        outs = []
-        for a in range(0, len(prompts), batch_size):
-            outs += batched_greedy(target, prompts[a : a + batch_size], max_new_tokens, stop=False)
-        for i, (q, p, ids) in enumerate(zip(questions, prompts, outs)):
-            refs.append(Reference(q.question_id, turn, p, ids))
-            firsts[i] = answer_text(target.tokenizer, ids, stops)
-    return refs
 
 
 # ------------------------------------------------------------------------------------------------ the run
