@@ -33,7 +33,7 @@ from ..corpus import cached_regeneration, regenerate_sharegpt, tokenize_sharegpt
 from ..target import assets, load_target
 from ..target.assets import REPO_ROOT
 from .plan import Plan, PlanError, Row
-from .tables import acceptance_tables, row_tables, update_run
+from .tables import acceptance_tables, trained_tables, update_run
 
 STEPS = ("regenerate", "train", "eval")
 
@@ -279,8 +279,10 @@ def run_reference(
             s: len(regenerate_split(plan, target, s, progress=progress)[0]) for s in ("eval", "train")
         }
     if "train" in steps:
-        data, d2t, summaries, histories, evals = {}, None, [], {}, {}
-        for name in names:  # the tables are rewritten after each row: a stopped run keeps what it finished
+        data, d2t = {}, None
+        for i, name in enumerate(
+            names
+        ):  # the tables are rewritten after each row: a stopped run keeps what it had
             row = plan.row(name)
             data[row.responses] = data.get(row.responses) or row_data(plan, target, row)
             d2t = d2t if d2t is not None else draft_vocab(plan, target, row.train_config().draft_vocab_size)
@@ -288,9 +290,8 @@ def run_reference(
             result, summary = train_row(
                 plan, row, target, data[row.responses], d2t, out_dir / name, init, progress, **train_overrides
             )
-            summaries.append(summary)
-            histories[name], evals[name] = result.table("history"), result.table("eval")
-            update(row_tables(pd.DataFrame(summaries), histories, evals), "train", names[: len(summaries)])
+            update(trained_tables([result], [summary]), "train", names[: i + 1])
+            del result
         record["trained"] = names
     if "eval" in steps:
         from ..drafters import NgramDrafter, load_drafter

@@ -5,7 +5,7 @@ The tables under ``figures/<name>/data/`` are the run's merged state: each updat
 on different machines, build one table. :func:`update_run` writes
 
 * ``per_step_accuracy.csv``, ``training_history.csv``, ``heldout_eval.csv`` (notebook 02's figures, from
-  :func:`row_tables`) and ``acceptance_by_step.csv`` / ``acceptance_summary.csv`` (notebook 03's, from
+  :func:`trained_tables`) and ``acceptance_by_step.csv`` / ``acceptance_summary.csv`` (notebook 03's, from
   :func:`acceptance_tables`), drawn through :func:`kvshot_lib.plots.publish` so that ``kvshot figures
   --profile <name>`` redraws them;
 * the run's own ``reference_rows.csv`` (tokens seen, wall time, plateau, early stopping per row),
@@ -57,55 +57,17 @@ def replace_rows(old: pd.DataFrame, new: pd.DataFrame, keys: list[str]) -> pd.Da
     return pd.concat([old[~drop], new], ignore_index=True)
 
 
-def per_step_rows(summary: pd.DataFrame, evals: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """Final held-out accuracy per (drafter, draft step), in notebook 02's ``per_step_accuracy.csv`` layout."""
-    rows = []
-    for _, s in summary.iterrows():
-        ev = evals.get(s["drafter"])
-        if ev is None or ev.empty:
-            continue
-        final = ev.iloc[-1]
-        for k in sorted(int(c[4:]) for c in ev.columns if c.startswith("acc_") and c[4:].isdigit()):
-            rows.append(
-                dict(
-                    drafter=s["drafter"],
-                    paradigm=s["paradigm"],
-                    regime=s["regime"],
-                    kv_mode=s.get("kv_mode"),
-                    n_layers=s.get("n_layers"),
-                    draft_step=k,
-                    accuracy=final[f"acc_{k}"],
-                    ce=final.get(f"ce_{k}"),
-                    n=final.get(f"n_{k}"),
-                    ceiling=final.get("ceiling"),
-                )
-            )
-    return pd.DataFrame(rows)
+def trained_tables(results, summaries: list[dict]) -> dict[str, pd.DataFrame]:
+    """Notebook 02's tables of trained rows (:func:`~kvshot_lib.training.per_step_table` and
+    :func:`~kvshot_lib.training.combined_table`, as notebook 02 writes them) and their ``reference_rows.csv``."""
+    from ..training import combined_table, per_step_table
 
-
-def row_tables(
-    summary: pd.DataFrame, histories: dict[str, pd.DataFrame], evals: dict[str, pd.DataFrame]
-) -> dict[str, pd.DataFrame]:
-    """Notebook 02's tables and ``reference_rows.csv`` of trained rows: ``summary`` (one
-    :func:`~kvshot_lib.training.run_summary` row each), their training histories and held-out evaluations."""
-    if summary.empty or "paradigm" not in summary:
-        return {}
-    summary = summary[summary["paradigm"].notna()]  # rows skipped for lack of time have no results
-    label = summary.set_index("drafter")[["paradigm", "regime"]]
-
-    def labelled(frames: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
-        return {
-            d: f.assign(drafter=d, paradigm=label.loc[d, "paradigm"], regime=label.loc[d, "regime"])
-            for d, f in frames.items()
-            if d in label.index and not f.empty
-        }
-
-    histories, evals = labelled(histories), labelled(evals)
-    out = {"reference_rows.csv": summary, "per_step_accuracy.csv": per_step_rows(summary, evals)}
-    for table, frames in (("training_history.csv", histories), ("heldout_eval.csv", evals)):
-        if frames:
-            out[table] = pd.concat(list(frames.values()), ignore_index=True)
-    return out
+    return {
+        "reference_rows.csv": pd.DataFrame(summaries),
+        "per_step_accuracy.csv": per_step_table(results),
+        "training_history.csv": combined_table(results, "history"),
+        "heldout_eval.csv": combined_table(results, "eval"),
+    }
 
 
 def acceptance_tables(runs, n_boot: int) -> dict[str, pd.DataFrame]:

@@ -51,12 +51,13 @@ def job_tables(folder: Path) -> dict[str, pd.DataFrame]:
     env = json.loads(m.get("environment.json", b"{}") or b"{}")
     job = json.loads(m.get("job.json", b"{}") or b"{}")
     summary = outputs.csv_member(m, "summary.csv")
+    if "paradigm" in summary:
+        summary = summary[summary["paradigm"].notna()]  # rows skipped for lack of time have no results
     rows = list(summary["drafter"]) if "drafter" in summary else []
-    found = tables.row_tables(
-        summary,
-        {d: outputs.csv_member(m, f"rows/{d}/history.csv") for d in rows},
-        {d: outputs.csv_member(m, f"rows/{d}/eval.csv") for d in rows},
-    )
+    found = {"reference_rows.csv": summary}
+    for t in outputs.ROW_TABLES:
+        frames = [f for f in (outputs.csv_member(m, f"rows/{d}/{t}") for d in rows) if not f.empty]
+        found[t] = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     for t in ("acceptance_by_step.csv", "acceptance_summary.csv", "acceptance_bootstrap.csv"):
         found[t] = outputs.csv_member(m, t)
     info = dict(

@@ -3,7 +3,7 @@ most two folders down, names of letters, digits, '.', '_' and '-'.
 
 A job writes into ``<OUT>/<job>/``:
 
-* ``tables.tar.gz``: every small table (per row ``rows/<row>/history.csv`` and ``eval.csv``; ``summary.csv``;
+* ``tables.tar.gz``: every small table (per row ``rows/<row>/`` notebook 02's three tables; ``summary.csv``;
   the acceptance tables; ``environment.json``, ``job.json``, ``regenerated.json``), rewritten after each row,
   so a job stopped at its limit still returns what it finished;
 * ``<row>.safetensors``: a headline row's checkpoint, trainable weights in bf16 plus ``d2t`` and
@@ -36,6 +36,7 @@ from kvshot_lib.target import cache_dir
 
 CONFIG_FILE, WEIGHTS_FILE = checkpoint.CONFIG_FILE, checkpoint.WEIGHTS_FILE
 
+ROW_TABLES = ("per_step_accuracy.csv", "training_history.csv", "heldout_eval.csv")  # per row, in rows/<row>/
 MiB = 1 << 20
 MAX_FILE = 16 * MiB
 MAX_FILES = 8
@@ -82,8 +83,9 @@ def add_run(out: Path, result, summary: dict, checkpoint: bool) -> None:
     """A finished row: its log tables into the archive, and (``checkpoint``) its bf16 checkpoint file(s)."""
     rows = scratch(out) / "rows" / result.config.name
     rows.mkdir(parents=True, exist_ok=True)
-    for table in ("history", "eval"):
-        result.table(table).to_csv(rows / f"{table}.csv", index=False)
+    for name, table in tables.trained_tables([result], [summary]).items():
+        if name in ROW_TABLES:
+            table.to_csv(rows / name, index=False)
     (rows / "train_config.json").write_text(json.dumps(result.config.as_dict(), indent=1))
     if checkpoint:
         export_checkpoint(result.drafter, Path(out), result.config.name)
