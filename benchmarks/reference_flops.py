@@ -18,7 +18,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from kvshot_lib.drafters import build_drafter, drafter_config_for
-from kvshot_lib.reference.plan import load_plan
+from kvshot_lib.reference import load_plan
 from kvshot_lib.target import load_target
 from kvshot_lib.training import Objective, batch_from_target
 

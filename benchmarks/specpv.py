@@ -2,7 +2,7 @@
 
 Reports, on this machine, in one run (``kvshot_lib.evaluation.specpv_speed``): decode tokens/s at each
 context length (4k and 8k tokens by default, capped to the target's context) for plain decoding, lossless
-speculative decoding with the drafter, and SpecPV (``specpv`` and ``strict`` modes) over budget × P; the
+speculative decoding with the drafter, and SpecPV (its ``specpv`` and ``strict`` variants) over budget × P; the
 ratios between them; per-phase milliseconds per token (draft, partial verification, full verification with
 the re-feed, block scoring); MAT over partial and over full verification cycles (bonus counted); strict
 mode's rollbacks. Then the cost model (``kvshot_lib.evaluation.specpv_cost``): a forward's cost fitted on
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--chain-depth", type=int, default=4)
     ap.add_argument("--budgets", nargs="+", type=int, default=[512, 1024])
     ap.add_argument("--full-every", nargs="+", type=int, default=[16, 32])
-    ap.add_argument("--modes", nargs="+", default=["specpv", "strict"], choices=["specpv", "strict"])
+    ap.add_argument("--variants", nargs="+", default=["specpv", "strict"], choices=["specpv", "strict"])
     ap.add_argument("--sink", type=int, default=32)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--cost-lengths", nargs="+", type=int, default=[256, 512, 1024, 2048, 4096, 8000])
@@ -107,7 +107,7 @@ def main() -> None:
                 cfg,
                 args.budgets,
                 args.full_every,
-                args.modes,
+                args.variants,
                 base,
                 on_prefill=probe,
             )

@@ -4,8 +4,8 @@ Reports, on this machine, in one run:
 * a bare greedy loop (``model(tok, past_key_values=cache)`` + argmax: the floor of Python overhead) and
   our plain decoding (``mode="ar"``) in tokens/s;
 * the cost of one target forward of k new tokens on a cache, relative to k = 1, with and without the
-  small-batch matmul kernel (``kvshot_lib.linear_kernels``): what verifying a k-token block costs;
-* the MT-bench speed table of ``kvshot_lib.speedup`` (the one notebook 06 writes) for the baseline drafters
+  small-batch matmul kernel (``kvshot_lib.decoding.kernels``): what verifying a k-token block costs;
+* the MT-bench speed table of ``kvshot_lib.evaluation.speedup`` (the one notebook 06 writes) for the baseline drafters
   and every trained drafter under ``--run-dir``/drafters/, with the best chain and tree speedups.
 
 Prints and saves ``benchmarks/results/speedup_<machine>[_<dtype>][_4bit].json``. Usage:

@@ -62,8 +62,8 @@ def load_profile(name_or_path: str) -> Profile:
     if unknown:
         raise ProfileError(
             f"{path}: unknown top-level keys {sorted(unknown)}; allowed: description, notebooks, "
-            "parameters, overrides, reference (the GPU reference run's rows and jobs, read by "
-            "scripts/reference/run_job.py, not by the notebooks)."
+            "parameters, overrides, reference (the reference run's rows and jobs, read by "
+            "kvshot_lib.reference, not by the notebooks)."
         )
     for key in ("parameters", "overrides"):
         if not isinstance(raw.get(key) or {}, dict):

@@ -1,4 +1,5 @@
-"""The reference run's driver on the CPU: the plan, what a job brings back, the checkpoints, the merge.
+"""The reference run's remote-job transport (``scripts/reference/``) on the CPU: the plan, what a job brings
+back, the checkpoints, the merge.
 
 * Reference checkpoints (bf16, trainable weights only) load on the CPU with their target and refuse another
   one (another architecture, or the same architecture with other weights); split files reassemble exactly.
@@ -17,9 +18,11 @@ import torch
 
 from kvshot_lib.drafters import DrafterTargetMismatch, build_drafter, drafter_config_for, load_drafter
 from kvshot_lib.evaluation import AcceptanceRun, acceptance_summary, bootstrap_acceptance
-from kvshot_lib.reference import merge, outputs
-from kvshot_lib.reference.plan import PlanError, load_plan
+from kvshot_lib.reference import PlanError, load_plan
 from kvshot_lib.target import REPO_ROOT, load_target
+
+sys.path.insert(0, str(REPO_ROOT / "scripts" / "reference"))
+from transport import merge, outputs  # noqa: E402
 
 RUN_JOB = REPO_ROOT / "scripts" / "reference" / "run_job.py"
 
@@ -147,14 +150,17 @@ def fake_job(root, job, rows, started, acc0):
     scratch = root / f"scratch-{job}"
     for d, a in zip(rows, acc0):
         (scratch / "rows" / d).mkdir(parents=True)
-        pd.DataFrame([dict(step=s, loss=5.0 - s, acc_0=a * s / 3, tokens=100) for s in (1, 2, 3)]).to_csv(
-            scratch / "rows" / d / "history.csv", index=False
-        )
+        label = dict(drafter=d, paradigm=d.split("-")[0], regime="ttt")
+        pd.DataFrame(
+            [dict(step=s, loss=5.0 - s, acc_0=a * s / 3, tokens=100, **label) for s in (1, 2, 3)]
+        ).to_csv(scratch / "rows" / d / "training_history.csv", index=False)
         evals = [
-            dict(step=s, **{f"acc_{k}": a * s / 3 * 0.9**k for k in range(7)}, n_0=50, ce_0=1.0)
+            dict(step=s, **{f"acc_{k}": a * s / 3 * 0.9**k for k in range(7)}, n_0=50, ce_0=1.0, **label)
             for s in (1, 2, 3)
         ]
-        pd.DataFrame(evals).to_csv(scratch / "rows" / d / "eval.csv", index=False)
+        pd.DataFrame(evals).to_csv(scratch / "rows" / d / "heldout_eval.csv", index=False)
+        per_step = [dict(**label, draft_step=k, accuracy=a * 0.9**k, n=50) for k in range(7)]
+        pd.DataFrame(per_step).to_csv(scratch / "rows" / d / "per_step_accuracy.csv", index=False)
     summary = [
         dict(drafter=d, paradigm=d.split("-")[0], regime="ttt", train_tokens=300, seconds=1.0, acc_0=a)
         for d, a in zip(rows, acc0)

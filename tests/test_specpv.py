@@ -196,9 +196,11 @@ def test_full_cache_equals_a_fresh_prefill_after_every_full_pass(llama, strict):
         fresh = DynamicCache(config=llama.model.config)
         llama.model(input_ids=committed, past_key_values=fresh, use_cache=True)
         assert cache.get_seq_length() == committed.shape[1]
-        for a, b in zip(cache.layers, fresh.layers):
-            # float noise of another chunking of the same sums: ~1e-5 on keys of magnitude ~6 (AVX512 kernels)
-            assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
+        for a, b in zip(cache.layers, fresh.layers):  # float noise relative to the largest entry: the re-fed
+            # block and the fresh prefill run different row counts, so BLAS (and the small-batch kernel) sum in
+            # another order; a wrong or missing position is off by orders more
+            for x, y in ((a.keys, b.keys), (a.values, b.values)):
+                assert (x - y).abs().max() <= 1e-5 * y.abs().max()
         checked.append(committed.shape[1])
 
     cfg = DecodeConfig(mode="chain", max_new_tokens=40, stop_token_ids=(), chain_depth=3)

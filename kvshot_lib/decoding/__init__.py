@@ -1,28 +1,36 @@
 """The decoding stage: the lossless speculative decoding engine.
 
-* :func:`generate` decodes a prompt plainly (``ar``), with a chain of drafts, or with an EAGLE-2 dynamic
-  tree (:class:`DecodeConfig`), verifying greedily or with the rejection-sampling rule (:mod:`.sampling`);
+* :func:`generate` (:mod:`.dispatch`) decodes a prompt in one of three *modes*: plainly (``ar``), with a chain
+  of drafts, or with an EAGLE-2 dynamic tree (:class:`DecodeConfig`), verifying greedily or with the
+  rejection-sampling rule (:mod:`.sampling`);
+* :mod:`.cycle` holds what every loop shares: a :class:`Prefill` of the prompt, then *cycles* (draft, verify,
+  commit) carried by a :class:`CycleState`; :mod:`.engine` verifies and runs the plain and speculative loops;
 * :mod:`.tree` drafts one cycle through a drafter's session; :mod:`.kernels` holds the small-batch matmul
   that makes verifying a block cheap on a CPU;
 * :mod:`.specpv` verifies against a partial KV cache (:mod:`.partial_kv`: sinks, retrieved blocks, a
-  window, a buffer) with a full pass every P tokens (SpecPV), optionally strict (lossless);
-  ``generate(..., partial=SpecPVConfig(...))``.
+  window, a buffer) with a full pass once ``full_every`` tokens are pending (SpecPV), in one of two
+  *variants*: ``specpv`` (the paper's) or ``strict`` (lossless); ``generate(..., partial=SpecPVConfig(...))``.
 
 It hands :class:`GenerationResult` objects (tokens, accepted tokens per cycle, per-step counts, timings) to
 evaluation.
 """
 
-from .engine import (
+from .cycle import (
     MODES,
+    CycleState,
     DecodeConfig,
     GenerationResult,
     Prefill,
-    autoregressive_generate,
-    generate,
+    draft_cycle,
     keep_block_positions,
-    prefill_prompt,
+    stop_tokens,
+)
+from .dispatch import generate
+from .engine import (
+    autoregressive_generate,
     speculative_generate,
     verify_sampled_chain,
+    verify_tree,
     walk_tree,
 )
 from .kernels import small_batch_linear
@@ -43,11 +51,12 @@ from .sampling import (
     residual_probs,
     sample,
 )
-from .specpv import SpecPVConfig, SpecPVResult, specpv_generate
+from .specpv import VARIANTS, SpecPVConfig, SpecPVResult, specpv_generate
 from .tree import DraftTree, draft_chain, draft_dynamic_tree
 
 __all__ = [
     "BlockSummaries",
+    "CycleState",
     "DecodeConfig",
     "DraftTree",
     "GenerationResult",
@@ -57,18 +66,19 @@ __all__ = [
     "Prefill",
     "SpecPVConfig",
     "SpecPVResult",
+    "VARIANTS",
     "accept_draft_tokens",
     "autoregressive_generate",
     "block_scores",
     "check_sampling_args",
     "compact_attention",
     "draft_chain",
+    "draft_cycle",
     "draft_dynamic_tree",
     "generate",
     "keep_block_positions",
     "layout",
     "logits_to_probs",
-    "prefill_prompt",
     "rejection_sample",
     "residual_probs",
     "sample",
@@ -76,6 +86,8 @@ __all__ = [
     "small_batch_linear",
     "specpv_generate",
     "speculative_generate",
+    "stop_tokens",
     "verify_sampled_chain",
+    "verify_tree",
     "walk_tree",
 ]

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from ..drafters.baselines import BASELINES, is_baseline_name, resolve_drafter
-from .engine import MODES, DecodeConfig, generate
+from .cycle import MODES, DecodeConfig
+from .dispatch import generate
 from .specpv import SpecPVConfig
 
 
@@ -184,6 +185,8 @@ def _cli_generate(args) -> int:
 
         prompt = chat_prompt_ids(tok, [{"role": "user", "content": args.prompt}])
     out = generate(target, prompt, cfg, drafter, partial=partial)
+    # MAT as evaluation.metrics.mat_from_counts defines it (decoding sits below evaluation in the flow)
+    mat = (sum(out.accepted_per_cycle) + out.n_cycles) / out.n_cycles if out.n_cycles else None
     text = tok.decode(out.token_ids, skip_special_tokens=True)
     if args.json:
         print(
@@ -193,7 +196,7 @@ def _cli_generate(args) -> int:
                     text=text,
                     accepted_per_cycle=out.accepted_per_cycle,
                     tokens_per_s=out.tokens_per_s,
-                    mat=None if out.n_cycles == 0 else out.mat,
+                    mat=mat,
                     n_cycles=out.n_cycles,
                     stop_reason=out.stop_reason,
                     prompt_len=out.prompt_len,
@@ -215,7 +218,7 @@ def _cli_generate(args) -> int:
         summary = f"[{len(out.token_ids)} tokens, {out.tokens_per_s:.1f} tokens/s"
         if hasattr(out, "n_partial"):
             summary += f", {out.n_partial} partial / {out.n_full} full passes, {len(out.rollbacks)} rollbacks"
-        print(summary + (f", MAT {out.mat:.2f}]" if out.n_cycles else "]"), file=sys.stderr)
+        print(summary + (f", MAT {mat:.2f}]" if out.n_cycles else "]"), file=sys.stderr)
     return 0
 
 

@@ -12,11 +12,12 @@ One cycle (batch size 1):
 2. **partial verification** (the usual case): the root and the drafts run against the compact cache
    (sinks, retrieved blocks, window, buffer) with their true position ids and an explicit tree mask; the
    accepted path and the bonus are chosen from those logits and the accepted K/V join the buffer;
-3. **full verification** when the pending tokens reach ``full_every`` (P), at the start, after a
-   rollback, and whenever the context fits the budget: the pending tokens are *re-fed* with the root and
+3. **full verification** when ``full_every`` tokens are pending, at the start, after a rollback, and
+   whenever the context fits the budget: the pending tokens are *re-fed* with the root and
    the drafts against the full cache, so they get exact K/V; the drafts are verified on exact logits; the
    partial cache is rebuilt from the full one, its blocks scored with the drafts' queries;
-4. modes. ``specpv`` (the paper): partially verified tokens are final. ``strict``: at each full pass the
+4. two *variants* (:data:`VARIANTS`; ``mode`` is kept for ar/chain/tree). ``specpv`` (the paper): partially
+   verified tokens are final. ``strict`` (``SpecPVConfig.strict``): at each full pass the
    pending tokens chosen on partial logits are re-checked against the full logits (argmax at
    temperature 0; at temperature > 0 the rejection rule with the partial distribution as the proposal),
    and generation rolls back to the first mismatch and continues from the full model's token; output
@@ -24,7 +25,10 @@ One cycle (batch size 1):
    for token at temperature 0, at any budget (``tests/test_specpv.py``).
 
 ``full_every=0`` verifies fully every cycle: lossless speculative decoding. Phase times, the kind of each
-cycle and every rollback are recorded in :class:`SpecPVResult`.
+cycle and every rollback are recorded in :class:`SpecPVResult`. In the code, ``P`` is always the root's
+position, never ``full_every``. The loop (:func:`_specpv`) drafts through the
+:class:`~.cycle.CycleState`, then runs one of :class:`_Passes`' two passes; a strict rollback
+(:meth:`_Passes._roll_back`) starts the cycle over.
 """
 
 from __future__ import annotations
@@ -40,30 +44,20 @@ from transformers import DynamicCache
 from ..drafters.base import TargetView
 from ..drafters.tree_mask import ancestor_matrix, tree_attention_mask
 from ..target.capture import capture
-from .engine import (
-    DecodeConfig,
-    GenerationResult,
-    Prefill,
-    _check_prompt,
-    _choose,
-    _commit,
-    _verify,
-    draft_cycle,
-    keep_block_positions,
-    start_prompt,
-)
+from .cycle import CycleState, DecodeConfig, GenerationResult, Prefill, keep_block_positions
+from .engine import verify_tree
 from .kernels import small_batch_linear
 from .partial_kv import PartialKVCache, PartialKVConfig, compact_attention_mode
 from .sampling import accept_draft_tokens, logits_to_probs, residual_probs, sample
 from .tree import DraftTree
 
-VERIFY_MODES = ("specpv", "strict")
+VARIANTS = ("specpv", "strict")  # SpecPVConfig.strict: False, True
 
 
 @dataclass
 class SpecPVConfig(PartialKVConfig):
     """Partial verification: the cache geometry (:class:`~.partial_kv.PartialKVConfig`), a full pass once
-    ``full_every`` tokens are pending (0: every cycle), and ``strict`` re-checking at each full pass.
+    ``full_every`` tokens are pending (0: every cycle), and the variant: ``strict`` re-checks at each full pass.
     ``always_partial`` verifies partially even when the context fits the budget (tests)."""
 
     full_every: int = 16
@@ -74,7 +68,7 @@ class SpecPVConfig(PartialKVConfig):
         super().validate()
         if not isinstance(self.full_every, int) or isinstance(self.full_every, bool) or self.full_every < 0:
             raise ValueError(
-                f"full_every (P) must be a non-negative integer: a full pass once P tokens are pending "
+                f"full_every must be a non-negative integer: a full pass once that many tokens are pending "
                 f"(0 = every cycle, lossless); got {self.full_every!r}."
             )
         return self
@@ -182,156 +176,180 @@ def specpv_generate(
 
 @torch.inference_mode()
 def _specpv(target, drafter, prompt_ids, cfg, pv, on_partial, on_full, prefill) -> SpecPVResult:
-    model, max_ctx, dev = target.model, target.info.max_context, target.model.device
-    ids = _check_prompt(prompt_ids, max_ctx).to(dev)
-    T = ids.shape[1]
-    stops = set(cfg.stop_token_ids if cfg.stop_token_ids is not None else target.info.eos_token_ids)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    result = SpecPVResult([], T, "max_new_tokens")
+    """The loop: draft, then one full or partial pass per cycle; a strict rollback starts the cycle over."""
+    state = CycleState(target, prompt_ids, cfg, SpecPVResult)
+    result = state.result
     if cfg.max_new_tokens == 0:
         return result
     session = drafter.new_session() if drafter is not None else None
     layers = tuple(session.hidden_layers) if session is not None else ()
-    d2t = session.d2t if session is not None else None
-    full, logits, hidden, result.prefill_s = start_prompt(model, ids, layers, prefill)
-    t0 = time.perf_counter() - result.prefill_s
-    committed = torch.empty(1, T + cfg.max_new_tokens, dtype=torch.long, device=dev)  # [1, T_max]
-    committed[:, :T] = ids
-    done = _commit(result, [_choose(logits, cfg, gen)], stops, cfg)
-    committed[0, T] = result.token_ids[0]
-    mask_dtype = next(model.parameters()).dtype
-    all_layers = range(model.config.num_hidden_layers)
-    partial: PartialKVCache | None = None  # None: the next pass is a full one
-    F = T  # exact K/V in the full cache: positions 0..F-1
-    q_partial: list[Tensor] = []  # strict, temperature > 0: the partial distribution of tokens F+1..P
+    passes = _Passes(target.model, pv, state, state.prefill(layers, prefill), layers, session)
     while True:
-        P = T + len(result.token_ids) - 1  # the root's position
-        check_only = False
-        if done or P + 1 >= max_ctx:
-            if not (pv.strict and P > F):
-                if not done:
+        P = state.root
+        check_only = False  # strict, at the end: only re-check the partially verified tokens
+        if state.done or P + 1 >= state.max_context:
+            if not (pv.strict and P > passes.F):
+                if not state.done:
                     result.stop_reason = "context"
                 break
-            check_only = True  # strict: check the partially verified tokens before ending
-        fits = P + 1 <= pv.budget and not pv.always_partial
-        use_full = check_only or partial is None or P - F >= pv.full_every or fits
-        cap = 0 if check_only else min(cfg.max_new_tokens - len(result.token_ids), max_ctx - P - 1) - 1
+            check_only = True
+        cap = 0 if check_only else state.cap()  # drafts that can commit
         t_draft = time.perf_counter()
         tree = DraftTree()
         if cap > 0 and session is not None:
-            view = TargetView(cache=full if P == F else PendingView(full, partial), hidden=hidden)
-            tree = draft_cycle(session, cfg, committed[:, : P + 1], view, cap, gen)
-            session.end_cycle()
-            hidden = {}
+            full = passes.full
+            view = TargetView(
+                cache=full if P == passes.F else PendingView(full, passes.partial), hidden=state.hidden
+            )
+            tree = state.draft(session, view, cap)
         t_verify = time.perf_counter()
         result.draft_s += t_verify - t_draft
-        if use_full:
-            n_pend = P - F
-            block, positions, mask = full_block(F, committed[:, F : P + 1], tree, mask_dtype, dev)
-            refresh = not check_only and (P + 1 > pv.budget or pv.always_partial)
-            with capture(
-                model, all_layers if refresh else [], hidden=False, kv=False, queries=refresh
-            ) as rec:
-                out = model(
-                    input_ids=block,
-                    past_key_values=full,
-                    position_ids=positions,
-                    attention_mask=mask,
-                    use_cache=True,
-                    output_hidden_states=bool(layers),
-                )
-            result.n_full += 1
-            result.refed_tokens += n_pend
-            rows = out.logits[0]  # [n_pend + 1 + N, V]
-            bad = (
-                _first_mismatch(rows[:n_pend], committed[0, F + 1 : P + 1], q_partial, cfg, gen)
-                if pv.strict
-                else None
-            )
-            if (
-                bad is not None
-            ):  # strict: roll back to the first mismatch, continue from the full model's token
-                k, token = bad
-                keep_block_positions(full, F, list(range(k + 1)))
-                hidden = {layer: out.hidden_states[layer + 1][:, : k + 1] for layer in layers}
-                result.rollbacks.append(n_pend - k)
-                del result.token_ids[F + 1 + k - T :]
-                result.stop_reason = "max_new_tokens"
-                done = _commit(result, [token], stops, cfg)
-                committed[0, F + 1 + k] = token
-                F, partial, q_partial = F + k + 1, None, []
-                result.full_s += time.perf_counter() - t_verify
-                continue
-            if check_only:
-                result.full_s += time.perf_counter() - t_verify
-                result.stop_reason = result.stop_reason if done else "context"
+        if check_only or passes.full_pass_due(P):
+            verdict = passes.full_pass(tree, P, check_only)
+            if passes.rolled_back:
+                continue  # strict: generation goes on from the full model's token
+            if check_only:  # strict, at the end: every partially verified token stood
+                result.stop_reason = result.stop_reason if state.done else "context"
                 break
-            path, bonus = _verify(tree, rows[n_pend:], cfg, gen, d2t, result)
-            keep = [*range(n_pend + 1), *(n_pend + 1 + i for i in path)]
-            keep_block_positions(full, F, keep)
-            if layers:
-                idx = torch.tensor(keep, device=dev)
-                hidden = {layer: out.hidden_states[layer + 1].index_select(1, idx) for layer in layers}
-            F, q_partial = P + 1 + len(path), []
-            t_refresh = time.perf_counter()
-            result.full_s += t_refresh - t_verify
-            if refresh:
-                queries = {li: rec.queries_at(li)[:, :, n_pend:] for li in all_layers}  # root + drafts rows
-                partial = partial or PartialKVCache(pv)
-                partial.refresh(full, queries, model.config)
-            else:
-                partial = None
-            result.refresh_s += time.perf_counter() - t_refresh
             kind = "full"
         else:
-            block = torch.tensor([[result.token_ids[-1], *tree.tokens]], device=dev)  # [1, N+1]
-            positions = torch.tensor([[P, *(P + 1 + d for d in tree.depths)]], device=dev)  # [1, N+1]
-            past = partial.cache.get_seq_length()
-            mask = partial.mask(ancestor_matrix(tree.parents), mask_dtype, dev)  # [1, 1, N+1, past+N+1]
-            with compact_attention_mode(model):
-                out = model(
-                    input_ids=block,
-                    past_key_values=partial.cache,
-                    position_ids=positions,
-                    attention_mask=mask,
-                    use_cache=True,
-                    output_hidden_states=bool(layers) or on_partial is not None,
-                )
-            result.n_partial += 1
-            rows = out.logits[0]  # [N+1, V]
-            path, bonus = _verify(tree, rows, cfg, gen, d2t, result)
-            keep = [0, *(i + 1 for i in path)]
-            if pv.strict and cfg.temperature > 0:
-                q_partial += list(logits_to_probs(rows[keep], cfg.temperature, cfg.top_k, cfg.top_p))
-            result.partial_s += time.perf_counter() - t_verify
-            if on_partial is not None:
-                ids_all = torch.cat([committed[:, F:P], block], 1)
-                on_partial(PartialStep(model, full, F, ids_all, tree, rows, out.hidden_states[-1][0], path))
-            t_keep = time.perf_counter()
-            keep_block_positions(partial.cache, past, keep)
-            if layers:
-                idx = torch.tensor(keep, device=dev)
-                fresh = {layer: out.hidden_states[layer + 1].index_select(1, idx) for layer in layers}
-                hidden = (
-                    {layer: torch.cat([hidden[layer], fresh[layer]], 1) for layer in layers}
-                    if hidden
-                    else fresh
-                )
-            result.partial_s += time.perf_counter() - t_keep
+            verdict = passes.partial_pass(tree, P, on_partial)
             kind = "partial"
+        path, bonus = verdict
         if cap > 0 and session is not None:
-            result.accepted_per_cycle.append(len(path))
-            result.drafted_per_cycle.append(len(tree))
+            state.record(tree, path)
             result.cycle_kind.append(kind)
-        new = [tree.tokens[i] for i in path] + [bonus]
-        done = _commit(result, new, stops, cfg)
-        n_in = min(len(new), T + len(result.token_ids) - (P + 1))  # tokens that made it into the output
-        committed[0, P + 1 : P + 1 + n_in] = torch.tensor(new[:n_in], device=dev)
+        state.commit([*(tree.tokens[i] for i in path), bonus])
         if kind == "full" and on_full is not None:
-            on_full(committed[:, :F].clone(), full)
+            on_full(state.committed[:, : passes.F].clone(), passes.full)
     result.verify_s = result.partial_s + result.full_s
-    result.total_s = time.perf_counter() - t0
-    return result
+    return state.finish()
+
+
+class _Passes:
+    """The two verification passes of one generation and strict mode's rollback (module docstring).
+
+    ``full`` holds the exact K/V of positions ``0..F-1``; ``partial`` is the compact cache (None: the next pass
+    is a full one); ``q_partial`` keeps, for strict mode at temperature > 0, the partial distribution each
+    pending token ``F+1..P`` was drawn from."""
+
+    def __init__(self, model, pv: SpecPVConfig, state: CycleState, full: DynamicCache, layers, session):
+        self.model, self.pv, self.state, self.full, self.layers = model, pv, state, full, layers
+        self.d2t = session.d2t if session is not None else None
+        self.F = state.prompt_len
+        self.partial: PartialKVCache | None = None
+        self.q_partial: list[Tensor] = []
+        self.rolled_back = False
+        self.mask_dtype = next(model.parameters()).dtype
+        self.all_layers = range(model.config.num_hidden_layers)
+
+    def full_pass_due(self, P: int) -> bool:
+        """At the start and after a rollback (no compact cache), once ``full_every`` tokens are pending, and
+        whenever the context fits the budget."""
+        fits = P + 1 <= self.pv.budget and not self.pv.always_partial
+        return self.partial is None or P - self.F >= self.pv.full_every or fits
+
+    def full_pass(self, tree: DraftTree, P: int, check_only: bool) -> tuple[list[int], int] | None:
+        """Re-feed the pending tokens ``F..P-1`` with the root and the drafts against the full cache, so that they
+        get exact K/V, and verify the drafts on exact logits; then rebuild the compact cache, its blocks scored
+        with the drafts' queries. Strict: first re-check the pending tokens, and roll back at the first
+        mismatch. Returns the accepted path and the bonus, or None after a rollback or a final check."""
+        state, result, pv, dev = self.state, self.state.result, self.pv, self.state.ids.device
+        t_verify = time.perf_counter()
+        F, n_pend = self.F, P - self.F
+        block, positions, mask = full_block(F, state.committed[:, F : P + 1], tree, self.mask_dtype, dev)
+        refresh = not check_only and (P + 1 > pv.budget or pv.always_partial)
+        with capture(
+            self.model, self.all_layers if refresh else [], hidden=False, kv=False, queries=refresh
+        ) as rec:
+            out = self.model(
+                input_ids=block,
+                past_key_values=self.full,
+                position_ids=positions,
+                attention_mask=mask,
+                use_cache=True,
+                output_hidden_states=bool(self.layers),
+            )
+        result.n_full += 1
+        result.refed_tokens += n_pend
+        rows = out.logits[0]  # [n_pend + 1 + N, V]
+        self.rolled_back = False
+        if pv.strict:
+            bad = _first_mismatch(
+                rows[:n_pend], state.committed[0, F + 1 : P + 1], self.q_partial, state.cfg, state.gen
+            )
+            if bad is not None:
+                self._roll_back(out, n_pend, *bad)
+                result.full_s += time.perf_counter() - t_verify
+                return None
+        if check_only:
+            result.full_s += time.perf_counter() - t_verify
+            return None
+        path, bonus = verify_tree(tree, rows[n_pend:], state.cfg, state.gen, self.d2t, result)
+        keep = [*range(n_pend + 1), *(n_pend + 1 + i for i in path)]
+        keep_block_positions(self.full, F, keep)
+        state.keep_hidden(out.hidden_states, self.layers, keep, replace=True)
+        self.F, self.q_partial = P + 1 + len(path), []
+        t_refresh = time.perf_counter()
+        result.full_s += t_refresh - t_verify
+        if refresh:
+            queries = {li: rec.queries_at(li)[:, :, n_pend:] for li in self.all_layers}  # root + drafts rows
+            self.partial = self.partial or PartialKVCache(pv)
+            self.partial.refresh(self.full, queries, self.model.config)
+        else:
+            self.partial = None
+        result.refresh_s += time.perf_counter() - t_refresh
+        return path, bonus
+
+    def _roll_back(self, out, n_pend: int, k: int, token: int) -> None:
+        """Strict: the pending token ``F+1+k`` is wrong. Keep the exact K/V of ``F..F+k``, drop the output from
+        there and commit the full model's ``token`` in its place; the next pass is a full one."""
+        state, F = self.state, self.F
+        keep_block_positions(self.full, F, list(range(k + 1)))
+        state.keep_hidden(out.hidden_states, self.layers, list(range(k + 1)), replace=True)
+        state.result.rollbacks.append(n_pend - k)
+        state.roll_back(F + 1 + k)
+        state.commit([token])
+        self.F, self.partial, self.q_partial, self.rolled_back = F + k + 1, None, [], True
+
+    def partial_pass(self, tree: DraftTree, P: int, on_partial) -> tuple[list[int], int]:
+        """Verify the root and the drafts against the compact cache (sinks, retrieved blocks, window, buffer),
+        with their true positions and an explicit tree mask; the accepted K/V join the buffer."""
+        state, result, dev = self.state, self.state.result, self.state.ids.device
+        t_verify = time.perf_counter()
+        cfg, partial = state.cfg, self.partial
+        block = torch.tensor([[result.token_ids[-1], *tree.tokens]], device=dev)  # [1, N+1]
+        positions = torch.tensor([[P, *(P + 1 + d for d in tree.depths)]], device=dev)  # [1, N+1]
+        past = partial.cache.get_seq_length()
+        mask = partial.mask(ancestor_matrix(tree.parents), self.mask_dtype, dev)  # [1, 1, N+1, past+N+1]
+        with compact_attention_mode(self.model):
+            out = self.model(
+                input_ids=block,
+                past_key_values=partial.cache,
+                position_ids=positions,
+                attention_mask=mask,
+                use_cache=True,
+                output_hidden_states=bool(self.layers) or on_partial is not None,
+            )
+        result.n_partial += 1
+        rows = out.logits[0]  # [N+1, V]
+        path, bonus = verify_tree(tree, rows, cfg, state.gen, self.d2t, result)
+        keep = [0, *(i + 1 for i in path)]
+        if self.pv.strict and cfg.temperature > 0:
+            self.q_partial += list(logits_to_probs(rows[keep], cfg.temperature, cfg.top_k, cfg.top_p))
+        result.partial_s += time.perf_counter() - t_verify
+        if on_partial is not None:
+            ids_all = torch.cat([state.committed[:, self.F : P], block], 1)
+            on_partial(
+                PartialStep(
+                    self.model, self.full, self.F, ids_all, tree, rows, out.hidden_states[-1][0], path
+                )
+            )
+        t_keep = time.perf_counter()
+        keep_block_positions(partial.cache, past, keep)
+        state.keep_hidden(out.hidden_states, self.layers, keep)
+        result.partial_s += time.perf_counter() - t_keep
+        return path, bonus
 
 
 def _first_mismatch(rows: Tensor, tokens: Tensor, q_partial: list[Tensor], cfg: DecodeConfig, gen):

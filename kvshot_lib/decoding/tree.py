@@ -1,4 +1,5 @@
-"""Drafting one cycle: a chain of k tokens, or an EAGLE-2 dynamic tree; and the tree attention mask.
+"""Drafting one cycle: a chain of k tokens, or an EAGLE-2 dynamic tree (its attention mask for verification
+is :mod:`kvshot_lib.drafters.tree_mask`'s).
 
 Both builders drive a :class:`~kvshot_lib.drafters.base.DraftSession` (``start_cycle`` / ``expand``) and
 return a :class:`DraftTree`. A chain is a tree whose node ``i`` has parent ``i - 1``.

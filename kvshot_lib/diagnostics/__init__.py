@@ -9,12 +9,13 @@
   :mod:`.info_probes`, :mod:`.probe_training`, :mod:`.probe_stats`);
 * interactive explorers (ipywidgets) for attention and acceptance (:mod:`.explorers`).
 
-It reads drafters, the target and the evaluation harness, and hands result tables to the plots.
+It reads drafters, the target and the evaluation harness (its bootstrap included: ``mean_ci`` and ``ratio_ci``
+are :mod:`kvshot_lib.evaluation.bootstrap`'s), and hands result tables to the plots.
 """
 
-from . import attention_metrics, bootstrap, explorers, info_probes, probe_stats
+from ..evaluation.bootstrap import mean_ci, ratio_ci
+from . import attention_metrics, explorers, info_probes, probe_stats
 from .attention_metrics import METRICS, all_metrics
-from .bootstrap import mean_ci, ratio_ci, slope
 from .causal_check import (
     causal_alpha,
     causal_summary,
@@ -27,7 +28,7 @@ from .drafter_hooks import TargetAttentionRecorder, drafter_queries, head_map, q
 from .explorers import AcceptanceExplorer, AttentionExplorer, has_widget_frontend, show
 from .info_probes import KINDS, ProbeBank, ProbeDims, Readout, probe_widths
 from .probe_data import ProbeData, ProbeDoc, probe_documents
-from .probe_stats import information_gap, pairwise_tests, probe_results
+from .probe_stats import information_gap, pairwise_tests, probe_results, slope
 from .probe_training import (
     ProbeConfig,
     ProbeRun,
@@ -65,7 +66,6 @@ __all__ = [
     "all_metrics",
     "attention_metrics",
     "batches_of",
-    "bootstrap",
     "causal_alpha",
     "causal_summary",
     "drafter_queries",

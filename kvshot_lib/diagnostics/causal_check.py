@@ -25,8 +25,8 @@ from tqdm.auto import tqdm
 from ..decoding import DecodeConfig
 from ..evaluation import acceptance, metrics
 from ..evaluation.acceptance import Reference
+from ..evaluation.bootstrap import ratio_ci
 from ..target import capture
-from .bootstrap import ratio_ci
 from .drafter_hooks import drafter_queries
 
 

@@ -22,9 +22,16 @@ import itertools
 import numpy as np
 import pandas as pd
 
-from .bootstrap import N_BOOT, ratio_ci, slope, two_sided_p
+from ..evaluation.bootstrap import N_BOOT, ratio_ci, two_sided_p
 
 KV_READERS = ("kv_h", "kv_static", "h_kv", "kv_oracle")
+
+
+def slope(y: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Least-squares slope of ``y [..., len(x)]`` on ``x`` along the last axis."""
+    x = np.asarray(x, dtype=float)
+    xc = x - x.mean()
+    return ((y - y.mean(-1, keepdims=True)) * xc).sum(-1) / (xc**2).sum()
 
 
 def per_doc(table: pd.DataFrame, task: str = "real") -> dict[str, pd.DataFrame]:

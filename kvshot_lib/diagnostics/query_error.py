@@ -205,29 +205,10 @@ def measure_sequence(
                 if getattr(cfg, "kv_softmax", "shared") == "separate":
                     own = torch.full_like(own, float("nan"))  # two softmaxes: no share to report
                 mine = [(dl * len(pairs) + pi, pr) for pi, pr in enumerate(pairs) if pr.injected == i]
+                scores = GroupScores(i, j * g, t, reused, Vt, logp_hat, logp_star, logp_full, logp_stale, logp_unif,
+                                     qd, q_star, q_stale, own)  # fmt: skip
                 if mine:
-                    _score_pairs(
-                        head,
-                        mine,
-                        layer,
-                        i,
-                        j * g,
-                        nI,
-                        k,
-                        ok,
-                        t,
-                        reused,
-                        Vt,
-                        logp_hat,
-                        logp_star,
-                        logp_full,
-                        logp_stale,
-                        logp_unif,
-                        qd,
-                        q_star,
-                        q_stale,
-                        own,
-                    )
+                    _score_pairs(head, mine, layer, nI, k, ok, scores)
                 mean = lambda lp: torch.log(lp.exp().mean(0))  # noqa: E731  [g, a, T] -> [a, T]
                 stacked = torch.cat(
                     [mean(x) for x in (logp_hat, logp_stale, logp_unif, logp_star)]
@@ -259,29 +240,30 @@ def measure_sequence(
     )
 
 
-def _score_pairs(
-    head,
-    mine,
-    layer,
-    i,
-    h0,
-    nI,
-    k,
-    ok,
-    t,
-    reused,
-    Vt,
-    logp_hat,
-    logp_star,
-    logp_full,
-    logp_stale,
-    logp_unif,
-    qd,
-    q_star,
-    q_stale,
-    own,
-) -> None:
-    """Metrics of the four estimates for the head pairs ``mine`` that read injected head ``i``, in one batch."""
+@dataclass
+class GroupScores:
+    """What the four estimates give for one injected head ``i`` (one GQA group of ``g`` target heads from ``h0``,
+    read by ``G`` drafter heads) at one draft step, over the ``a`` anchors valid there."""
+
+    i: int  # the injected head
+    h0: int  # the group's first target head
+    t: Tensor  # [a] anchor positions
+    reused: Tensor  # [a, T] the cache positions a drafter at t can read
+    Vt: Tensor  # [T, D] the group's values
+    logp_hat: Tensor  # [G, a, T] the drafter's attention (log-probs) over the reused cache
+    logp_star: Tensor  # [g, a, T] the target's real query, over the same positions
+    logp_full: Tensor  # [g, a, T] ... over 0..p (all it sees)
+    logp_stale: Tensor  # [g, a, T] the stale query (the target's at t)
+    logp_unif: Tensor  # [g, a, T] uniform attention
+    qd: Tensor  # [G, a, D] the drafter's queries
+    q_star: Tensor  # [g, a, D] the target's real queries
+    q_stale: Tensor  # [g, a, D]
+    own: Tensor  # [G, a] the drafter's attention share on its own K/V
+
+
+def _score_pairs(head, mine, layer, nI: int, k: int, ok: Tensor, s: GroupScores) -> None:
+    """Metrics of the four estimates for the head pairs ``mine`` that read injected head ``s.i``, in one batch."""
+    i, h0, t, qd, q_star = s.i, s.h0, s.t, s.qd, s.q_star
     lps, qhs, stars, fulls, qstars = [], [], [], [], []
     a = t.numel()
     nan = torch.full((a, nI * q_star.shape[-1]), float("nan"))
@@ -289,24 +271,24 @@ def _score_pairs(
         r, a_d = pr.target_head - h0, pr.drafter_head - i * qd.shape[0]  # within the group / the drafter's G
         q_hat = query_in_key_space(layer, qd[a_d], i, nI)
         q_s = target_query_in_key_space(q_star[r], i, nI)
-        lps += [logp_hat[a_d], logp_stale[r], logp_unif[r], logp_star[r]]
-        qhs += [nan if q_hat is None else q_hat, target_query_in_key_space(q_stale[r], i, nI), nan, q_s]
-        stars.append(logp_star[r])
-        fulls.append(logp_full[r])
+        lps += [s.logp_hat[a_d], s.logp_stale[r], s.logp_unif[r], s.logp_star[r]]
+        qhs += [nan if q_hat is None else q_hat, target_query_in_key_space(s.q_stale[r], i, nI), nan, q_s]
+        stars.append(s.logp_star[r])
+        fulls.append(s.logp_full[r])
         qstars.append(q_s)
     n4 = len(ESTIMATORS)
     rep = lambda xs: torch.cat([x.repeat(n4, 1) for x in xs])  # noqa: E731  per pair, once per estimator
     mets = am.all_metrics(
         torch.cat(lps),
         rep(stars),
-        reused.repeat(n4 * len(mine), 1),
-        Vt,
+        s.reused.repeat(n4 * len(mine), 1),
+        s.Vt,
         rep(fulls),
         t.repeat(n4 * len(mine)),
         torch.cat(qhs),
         rep(qstars),
     )
-    owns = torch.stack([own[pr.drafter_head - i * qd.shape[0]] for _, pr in mine])  # [n_pairs, a]
+    owns = torch.stack([s.own[pr.drafter_head - i * qd.shape[0]] for _, pr in mine])  # [n_pairs, a]
     _scatter(head, mets, [c for c, _ in mine], k, ok, owns)
 
 

@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..evaluation.bootstrap import mean_ci, two_sided_p
 from . import attention_metrics as am
-from .bootstrap import mean_ci, two_sided_p
 from .query_error import ESTIMATORS, EXTRA, VARIANTS, SequenceErrors
 
 METRIC_COLUMNS = (*am.METRICS, *EXTRA)

@@ -1,4 +1,4 @@
-"""Building blocks shared by the three drafters: RMSNorm, SwiGLU MLP, RoPE, and segmented attention.
+"""Building blocks shared by every trainable drafter: RMSNorm, SwiGLU MLP, RoPE, and segmented attention.
 
 **Segmented attention.** A drafter query attends, in one softmax, over several *segments* of keys:
 
@@ -13,7 +13,7 @@
 
 The result equals plain softmax attention over the concatenated keys with the equivalent dense mask
 (``tests/test_training_ttt.py`` checks both the mask and this equivalence). Every segment may carry a
-``tag``; a recorder (see :mod:`kvshot_lib.grad_probes`) then receives the attention each key position
+``tag``; a recorder (see :mod:`kvshot_lib.training.grad_probes`) then receives the attention each key position
 receives, which notebook 05 correlates with the per-position K/V gradients.
 """
 

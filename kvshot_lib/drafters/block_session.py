@@ -7,9 +7,9 @@ node at depth ``d`` gets the row of depth ``d + 1``, and all ``-inf`` (no draft)
 drafts ``K`` tokens from one forward, and the engine's dynamic tree combines the top-k tokens of every block
 position under its token budget (scores: sums of the positions' log-probabilities).
 
-State kept across cycles, per layer, grown by doubling: the target's KV of the chosen layers as the layer
-reads it (context ``kv``, ``both``) and the layer's own K/V of the fused target hidden states (``hidden``,
-``both``). Only positions new since the last cycle are read. ``tests/test_block_drafter.py`` checks that a
+State kept across cycles, per layer, grown by doubling (:mod:`.kv_buffer`): the target's KV of the chosen
+layers as the layer reads it (context ``kv``, ``both``: a :class:`~.kv_buffer.TargetKV`) and the layer's own
+K/V of the fused target hidden states (``hidden``, ``both``). Only positions new since the last cycle are read. ``tests/test_block_drafter.py`` checks that a
 session computes what the training forward computes at the same anchor.
 """
 
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .attention import Segment
-from .session import _grow
+from .kv_buffer import LayerKV, TargetKV
 
 
 class BlockDraftSession:
@@ -32,19 +32,12 @@ class BlockDraftSession:
         self.hidden_layers: tuple[int, ...] = tuple(d.hidden_layers)
         self.K, L = cfg.block_size, cfg.n_layers
         dev, dt = d.head.device, d.head.dtype
-        self.tgt: list[list[Tensor]] = []  # per layer [K, V], each [1, heads, cap, D]
-        self.own: list[list[Tensor]] = []  # per layer [K, V] of the context from hidden states
-        if cfg.uses_target_kv:
-            nI, Dt = cfg.n_injected_heads, cfg.target_head_dim
-            self.tgt = [
-                [torch.zeros(1, nI, capacity, Dt, device=dev, dtype=dt) for _ in "kv"] for _ in range(L)
-            ]
+        self.tgt = TargetKV(d, capacity) if cfg.uses_target_kv else None
+        self.own: LayerKV | None = None  # the context's K/V from the fused hidden states
         if cfg.uses_hidden:
             kvh, D = d.layers[0].self_attn.n_kv_heads, d.layers[0].self_attn.head_dim
-            self.own = [
-                [torch.zeros(1, kvh, capacity, D, device=dev, dtype=dt) for _ in "kv"] for _ in range(L)
-            ]
-        self.n_tgt = self.n_own = 0
+            self.own = LayerKV(L, kvh, D, capacity, dev, dt)
+        self.n_own = 0
         self.P = -1
         self.rows: Tensor | None = None  # [K, V_draft] this cycle's draft logits by block offset 1..K
         self.depths: list[int] = []  # tree depth of every node added this cycle
@@ -53,8 +46,10 @@ class BlockDraftSession:
 
     def block_segments(self, li: int, k: Tensor, v: Tensor) -> list[Segment]:
         P = self.P
-        context = self.tgt[li : li + 1] + self.own[li : li + 1]  # the target's KV and/or the hidden context
-        segs = [Segment(k_[:, :, :P], v_[:, :, :P], "dense") for k_, v_ in context]  # all of 0..P-1
+        context = [
+            buf for buf in (self.tgt, self.own) if buf is not None
+        ]  # the target's KV and/or the hidden
+        segs = [Segment(b.k[li][:, :, :P], b.v[li][:, :, :P], "dense") for b in context]  # all of 0..P-1
         segs.append(Segment(k, v, "dense"))  # one block: every row sees every row
         return segs
 
@@ -65,9 +60,9 @@ class BlockDraftSession:
         d = self.d
         committed = committed.to(d.head.device)
         P = self.P = committed.shape[1] - 1
-        if self.tgt:
-            self._ingest_target(view.cache, P)
-        if self.own:
+        if self.tgt is not None:
+            self.tgt.ingest(view.cache, P)
+        if self.own is not None:
             self._ingest_hidden(view.hidden, P)
         positions = torch.arange(P, P + self.K + 1, device=d.head.device)  # [K+1]
         x = d.block_inputs(committed[:, P : P + 1])  # [1, K+1, H]
@@ -94,24 +89,6 @@ class BlockDraftSession:
 
     # ----------------------------------------------------------------------------------------- internals
 
-    def _ingest_target(self, cache, P: int) -> None:
-        d, layers = self.d, self.d.cfg.kv_layers
-        have = cache.layers[layers[0]].keys.shape[2]
-        if have < P:
-            raise ValueError(
-                f"block drafter session: the target cache holds {have} positions, the contract says {P}."
-            )
-        a = 0 if self.n_tgt > P else self.n_tgt  # a shorter context than before: a new one, read it all
-        if a == P:
-            return
-        keys = torch.cat([cache.layers[layer].keys[:, :, a:P] for layer in layers], dim=1)  # [1, nI, n, D]
-        values = torch.cat([cache.layers[layer].values[:, :, a:P] for layer in layers], dim=1)
-        keys = keys.transpose(1, 2).to(d.head.dtype)  # [1, n, nI, D], the feature-store layout
-        values = values.transpose(1, 2).to(d.head.dtype)
-        for li, (k, v) in d.inject(keys, values, torch.arange(a, P, device=keys.device)).items():
-            self._store(self.tgt[li], a, P, k, v)
-        self.n_tgt = P
-
     def _ingest_hidden(self, hidden: dict, P: int) -> None:
         d = self.d
         feats = torch.cat([hidden[layer][0] for layer in self.hidden_layers], dim=-1)  # [n_new, nL*H]
@@ -127,12 +104,5 @@ class BlockDraftSession:
         cos, sin = d.rope(torch.arange(a, P, device=fused.device))
         for li, layer in enumerate(d.layers):
             k, v = layer.self_attn.key_value(fused, cos, sin)  # [1, kvH, n_new, D]
-            self._store(self.own[li], a, P, k, v)
+            self.own.write(li, a, P, k, v)
         self.n_own = P
-
-    @staticmethod
-    def _store(buf: list[Tensor], a: int, P: int, k: Tensor, v: Tensor) -> None:
-        if buf[0].shape[2] < P:
-            buf[0], buf[1] = _grow(buf[0], P, 2), _grow(buf[1], P, 2)
-        buf[0][:, :, a:P] = k
-        buf[1][:, :, a:P] = v

@@ -1,4 +1,4 @@
-"""What the three trainable drafters share: the frozen target embedding and LM head, RoPE, the unroll.
+"""What every trainable drafter (``config.PARADIGMS``) shares: the frozen target embedding and LM head, RoPE, the unroll.
 
 A :class:`TrainableDrafter` is an ``nn.Module`` *and* a :class:`~kvshot_lib.drafters.base.SessionFactory`.
 

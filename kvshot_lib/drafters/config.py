@@ -1,4 +1,4 @@
-"""The drafter configuration: one dataclass for all three paradigms, stored as JSON next to the weights.
+"""The drafter configuration: one dataclass for every paradigm, stored as JSON next to the weights.
 
 The config holds the architecture (paradigm, depth, KV injection mode, widths), the target it was built
 for (name, architecture fingerprint, layers it reads, vocabulary size) and the draft vocabulary's size

@@ -10,7 +10,7 @@ State, all preallocated and grown by doubling:
   positions ``1..P`` (feature of ``t`` paired with token ``t+1``), computed once as features arrive (the
   no-target control: from token ``t+1`` alone, as the tokens are committed); KV-only:
   row 0 holds the root. Rows after that hold the current cycle's draft-tree nodes.
-* ``tgt_k/tgt_v[layer] [1, heads, cap, D]`` (KV-only, hybrid): the target's KV of the chosen layers as the
+* ``tgt`` (KV-only, hybrid): a :class:`~.kv_buffer.TargetKV`, the target's KV of the chosen layers as the
   layer reads it (after its injector); only positions new since the last cycle are read from the cache.
 * the tree: each node's ancestor row (it sees its ancestors and itself), depth and output hidden state.
 """
@@ -21,16 +21,7 @@ import torch
 from torch import Tensor
 
 from .attention import Segment
-
-
-def _grow(buf: Tensor, need: int, dim: int) -> Tensor:
-    if buf.shape[dim] >= need:
-        return buf
-    shape = list(buf.shape)
-    shape[dim] = max(need, 2 * shape[dim])
-    new = buf.new_zeros(shape)
-    new.narrow(dim, 0, buf.shape[dim]).copy_(buf)
-    return new
+from .kv_buffer import LayerKV, TargetKV, grow
 
 
 class TrainedDraftSession:
@@ -46,15 +37,9 @@ class TrainedDraftSession:
         kvh, D = (
             (cfg.n_injected_heads, cfg.target_head_dim) if self.kv_only else (cfg.n_kv_heads, cfg.head_dim)
         )
-        L = cfg.n_layers
-        self.own_k = [torch.zeros(1, kvh, capacity, D, device=dev, dtype=dt) for _ in range(L)]
-        self.own_v = [torch.zeros(1, kvh, capacity, D, device=dev, dtype=dt) for _ in range(L)]
+        self.own = LayerKV(cfg.n_layers, kvh, D, capacity, dev, dt)
         self.n_own = 0
-        if cfg.uses_target_kv:
-            nI, Dt = cfg.n_injected_heads, cfg.target_head_dim
-            self.tgt_k = [torch.zeros(1, nI, capacity, Dt, device=dev, dtype=dt) for _ in range(L)]
-            self.tgt_v = [torch.zeros(1, nI, capacity, Dt, device=dev, dtype=dt) for _ in range(L)]
-        self.n_tgt = 0
+        self.tgt = TargetKV(d, capacity) if cfg.uses_target_kv else None
         self.anc = torch.zeros(node_capacity, node_capacity, dtype=torch.bool, device=dev)
         self.depth = torch.zeros(node_capacity, dtype=torch.long, device=dev)
         self.node_out = torch.zeros(node_capacity, cfg.hidden_size, device=dev, dtype=dt)
@@ -69,22 +54,16 @@ class TrainedDraftSession:
 
     # ------------------------------------------------------------------ the attention context the layers use
 
-    def _write_own(self, li: int, k: Tensor, v: Tensor) -> None:
-        r0, r1 = self._rows
-        if self.own_k[li].shape[2] < r1:
-            self.own_k[li], self.own_v[li] = _grow(self.own_k[li], r1, 2), _grow(self.own_v[li], r1, 2)
-        self.own_k[li][:, :, r0:r1] = k
-        self.own_v[li][:, :, r0:r1] = v
-
     def _target_segment(self, li: int, mask: Tensor | None) -> Segment:
-        seg = Segment(self.tgt_k[li][:, :, : self.n_tgt], self.tgt_v[li][:, :, : self.n_tgt], "dense", mask)
-        keys = torch.arange(self.n_tgt, device=self._q_pos.device)
-        seg.dist = self._q_pos[:, None] - keys[None]  # [n, n_tgt] query position - key position
+        n = self.tgt.n
+        seg = Segment(self.tgt.k[li][:, :, :n], self.tgt.v[li][:, :, :n], "dense", mask)
+        keys = torch.arange(n, device=self._q_pos.device)
+        seg.dist = self._q_pos[:, None] - keys[None]  # [n_q, n] query position - key position
         return seg
 
     def self_segments(self, li: int, k: Tensor, v: Tensor) -> list[Segment]:
-        self._write_own(li, k, v)
-        ok, ov = self.own_k[li], self.own_v[li]
+        self.own.write(li, *self._rows, k, v)
+        ok, ov = self.own.k[li], self.own.v[li]
         segs = [self._target_segment(li, None)] if self.kv_only else []
         if self._mode == "context":
             r1 = self._rows[1]
@@ -107,8 +86,8 @@ class TrainedDraftSession:
         committed = committed.to(self.anc.device)
         P = committed.shape[1] - 1
         self.P, self.n_nodes, self._mode = P, 0, "context"
-        if d.cfg.uses_target_kv:
-            self._ingest_target(view.cache, P)
+        if self.tgt is not None:
+            self.tgt.ingest(view.cache, P)
         if d.cfg.uses_hidden or d.cfg.own_context:
             if d.cfg.uses_hidden:
                 feats = torch.cat(
@@ -133,8 +112,8 @@ class TrainedDraftSession:
                 (torch.arange(P, device=positions.device)[None] <= r0 + rows) if n_new > 1 else None
             )
             self._tgt_mask = (
-                torch.arange(self.n_tgt, device=positions.device)[None] < positions[:, None]
-                if n_new > 1 and d.cfg.uses_target_kv
+                torch.arange(self.tgt.n, device=positions.device)[None] < positions[:, None]
+                if n_new > 1 and self.tgt is not None
                 else None
             )
             cos, sin = d.rope(positions)
@@ -167,8 +146,8 @@ class TrainedDraftSession:
         n, m0 = tokens.shape[0], self.n_nodes
         m1 = m0 + n
         if self.anc.shape[0] < m1:
-            self.anc = _grow(_grow(self.anc, m1, 0), m1, 1)
-            self.depth, self.node_out = _grow(self.depth, m1, 0), _grow(self.node_out, m1, 0)
+            self.anc = grow(grow(self.anc, m1, 0), m1, 1)
+            self.depth, self.node_out = grow(self.depth, m1, 0), grow(self.node_out, m1, 0)
         has_parent = parents >= 0
         par = parents.clamp(min=0)
         depth = torch.where(has_parent, self.depth[par] + 1, torch.zeros_like(par))  # [n]
@@ -193,30 +172,3 @@ class TrainedDraftSession:
     def end_cycle(self) -> None:
         self.n_nodes = 0
         self._mode = "context"
-
-    # ----------------------------------------------------------------------------------------- internals
-
-    def _ingest_target(self, cache, P: int) -> None:
-        d = self.d
-        layers = d.cfg.kv_layers
-        have = cache.layers[layers[0]].keys.shape[2]
-        if have < P:
-            raise ValueError(
-                f"drafter session: the target cache holds {have} positions, the contract says {P}."
-            )
-        if self.n_tgt > P:
-            self.n_tgt = 0  # a new context: re-read everything
-        if self.n_tgt == P:
-            return
-        a = self.n_tgt
-        keys = torch.cat([cache.layers[layer].keys[:, :, a:P] for layer in layers], dim=1)  # [1, nI, n, D]
-        values = torch.cat([cache.layers[layer].values[:, :, a:P] for layer in layers], dim=1)
-        keys = keys.transpose(1, 2).to(d.head.dtype)  # [1, n, nI, D], the feature-store layout
-        values = values.transpose(1, 2).to(d.head.dtype)
-        injected = d.inject(keys, values, torch.arange(a, P, device=keys.device))
-        for li, (k, v) in injected.items():
-            if self.tgt_k[li].shape[2] < P:
-                self.tgt_k[li], self.tgt_v[li] = _grow(self.tgt_k[li], P, 2), _grow(self.tgt_v[li], P, 2)
-            self.tgt_k[li][:, :, a:P] = k
-            self.tgt_v[li][:, :, a:P] = v
-        self.n_tgt = P

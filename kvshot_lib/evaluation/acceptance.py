@@ -28,16 +28,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from ..corpus import answer_text, chat_prompt_ids, load_mtbench, mtbench_messages
-from ..decoding.engine import (
-    DecodeConfig,
-    GenerationResult,
-    _commit,
-    autoregressive_generate,
-    speculative_generate,
-    walk_tree,
-)
-from ..decoding.tree import DraftTree, draft_chain, draft_dynamic_tree
+from ..corpus import answer_text, batched_greedy, chat_prompt_ids, load_mtbench, mtbench_messages
+from ..decoding.cycle import CycleState, DecodeConfig, GenerationResult, stop_tokens
+from ..decoding.engine import autoregressive_generate, speculative_generate, walk_tree
+from ..decoding.tree import DraftTree
 from ..drafters.base import TargetView
 from . import metrics
 
@@ -76,12 +70,14 @@ class AcceptanceRun:
 
 
 def greedy_references(
-    target, n_questions: int | None, max_new_tokens: int, progress: bool = True, cache=None
+    target, n_questions: int | None, max_new_tokens: int, progress: bool = True, cache=None, batch_size=None
 ) -> list[Reference]:
     """Both turns of the first ``n_questions`` MT-bench questions, greedy; turn 2 sees turn 1's answer.
 
     ``cache``: a JSON file that keeps them for this target and these settings (notebook 03 writes it and
-    notebook 04 reads the same references back instead of decoding them again)."""
+    notebook 04 reads the same references back instead of decoding them again). ``batch_size``: decode each
+    turn's prompts in batches (the reference run on a GPU): batched greedy decoding equals one-at-a-time greedy
+    decoding up to float rounding (``tests/test_regenerate.py``)."""
     spec = dict(
         target=target.info.name, fingerprint=target.info.fingerprint, n=n_questions, new=max_new_tokens
     )
@@ -89,25 +85,39 @@ def greedy_references(
         saved = json.loads(Path(cache).read_text())
         if saved.get("spec") == spec:
             return [Reference(**r) for r in saved["references"]]
-    refs = _decode_references(target, n_questions, max_new_tokens, progress)
+    refs = _decode_references(target, n_questions, max_new_tokens, progress, batch_size)
     if cache is not None:
         Path(cache).parent.mkdir(parents=True, exist_ok=True)
         Path(cache).write_text(json.dumps(dict(spec=spec, references=[dataclasses.asdict(r) for r in refs])))
     return refs
 
 
-def _decode_references(target, n_questions, max_new_tokens: int, progress: bool) -> list[Reference]:
-    stops = set(target.info.eos_token_ids)
+def _decode_references(
+    target, n_questions, max_new_tokens: int, progress: bool, batch_size=None
+) -> list[Reference]:
+    stops = set(stop_tokens(None, target.info))
     cfg = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens, stop_token_ids=())
-    refs = []
-    for q in tqdm(load_mtbench(n_questions), desc="greedy references", disable=not progress):
-        first = None
-        for turn in (0, 1):
-            prompt = chat_prompt_ids(target.tokenizer, mtbench_messages(q, turn, first))
-            ids = autoregressive_generate(target, prompt, cfg).token_ids
-            refs.append(Reference(q.question_id, turn, prompt, ids))
-            first = answer_text(target.tokenizer, ids, stops)
-    return refs
+    questions = load_mtbench(n_questions)
+    firsts, refs = [None] * len(questions), {}
+    for turn in (0, 1):
+        prompts = [
+            chat_prompt_ids(target.tokenizer, mtbench_messages(q, turn, firsts[i]))
+            for i, q in enumerate(questions)
+        ]
+        if batch_size:
+            chunks = range(0, len(prompts), batch_size)
+            ids = [
+                x
+                for a in chunks
+                for x in batched_greedy(target, prompts[a : a + batch_size], max_new_tokens, stop=False)
+            ]
+        else:
+            bar = tqdm(prompts, desc=f"greedy references, turn {turn + 1}", disable=not progress)
+            ids = [autoregressive_generate(target, p, cfg).token_ids for p in bar]
+        for i, (q, prompt, out) in enumerate(zip(questions, prompts, ids)):
+            refs[i, turn] = Reference(q.question_id, turn, prompt, out)
+            firsts[i] = answer_text(target.tokenizer, out, stops)
+    return [refs[i, turn] for i in range(len(questions)) for turn in (0, 1)]
 
 
 def cache_prefix(cache, n: int):
@@ -137,6 +147,7 @@ def target_states(target, ref: Reference, layers: tuple[int, ...]):
     return full, cache, hidden
 
 
+@torch.inference_mode()
 def replay_greedy(target, drafter, ref: Reference, cfg: DecodeConfig, states=None) -> GenerationResult:
     """The engine's temperature-0 cycles for ``ref``, without verification forwards (see module doc)."""
     cfg.validate()
@@ -149,42 +160,25 @@ def replay_greedy(target, drafter, ref: Reference, cfg: DecodeConfig, states=Non
             f"{cfg.max_new_tokens} needs that many (decode the reference with stop_token_ids=())."
         )
     session = drafter.new_session()
-    layers = tuple(session.hidden_layers)
-    full, cache, hidden = states or target_states(target, ref, layers)
+    full, cache, hidden = states or target_states(target, ref, tuple(session.hidden_layers))
     seq = full[0].tolist()
-    stops = set(cfg.stop_token_ids if cfg.stop_token_ids is not None else target.info.eos_token_ids)
-    result = GenerationResult([], T, "max_new_tokens")
+    state = CycleState(target, ref.prompt_ids, cfg)
+    result = state.result
     if cfg.max_new_tokens == 0:
         return result
-    done, given = _commit(result, [seq[T]], stops, cfg), 0
-    while not done:
-        P = T + len(result.token_ids) - 1
-        if P + 1 >= max_ctx:
-            result.stop_reason = "context"
-            break
-        cap = min(cfg.max_new_tokens - len(result.token_ids), max_ctx - P - 1) - 1
+    state.commit([seq[T]])  # the target's first token, as the prefill would choose it
+    given = 0  # hidden states handed to the drafter: positions 0..given-1
+    while not state.done and not state.out_of_context():
+        P, cap = state.root, state.cap()
         tree = DraftTree()
         t_draft = time.perf_counter()
         if cap > 0:
-            with torch.inference_mode():
-                view = TargetView(
-                    cache=cache_prefix(cache, P), hidden={k: v[:, given:P] for k, v in hidden.items()}
-                )
-                if cfg.mode == "chain":  # drafts after the first wrong one are never tested: skip them
-                    wrong = lambda d, tok, P=P: tok != seq[P + 1 + d]  # noqa: E731
-                    tree = draft_chain(
-                        session, full[:, : P + 1], view, min(cfg.chain_depth, cap), stop_after=wrong
-                    )
-                else:
-                    tree = draft_dynamic_tree(
-                        session,
-                        full[:, : P + 1],
-                        view,
-                        min(cfg.tree_depth, cap),
-                        cfg.tree_top_k,
-                        cfg.tree_budget,
-                    )
-                session.end_cycle()
+            view = TargetView(
+                cache=cache_prefix(cache, P), hidden={k: v[:, given:P] for k, v in hidden.items()}
+            )
+            wrong = lambda d, tok, P=P: tok != seq[P + 1 + d]  # noqa: E731
+            # a chain's drafts after the first wrong one are never tested: skip them
+            tree = state.draft(session, view, cap, stop_after=wrong if cfg.mode == "chain" else None)
             given = P
         result.draft_s += time.perf_counter() - t_draft
         # The target's greedy token after each block position that lies on the greedy path.
@@ -195,9 +189,8 @@ def replay_greedy(target, drafter, ref: Reference, cfg: DecodeConfig, states=Non
         choice = [seq[P + 2 + depth_of[b]] if on_path[b] else -1 for b in range(len(tree) + 1)]
         path, bonus = walk_tree(tree, choice.__getitem__, result)
         if cap > 0:
-            result.accepted_per_cycle.append(len(path))
-            result.drafted_per_cycle.append(len(tree))
-        done = _commit(result, [tree.tokens[i] for i in path] + [bonus], stops, cfg)
+            state.record(tree, path)
+        state.commit([*(tree.tokens[i] for i in path), bonus])
     return result
 
 
@@ -239,7 +232,7 @@ def run_engine(
     target, drafters: dict, n_questions: int | None, cfgs: dict[str, DecodeConfig], progress: bool = True
 ) -> list[AcceptanceRun]:
     """Any temperature: the real engine on both turns; turn 2 sees this run's own first answer."""
-    stops = set(target.info.eos_token_ids)
+    stops = set(stop_tokens(None, target.info))
     questions = load_mtbench(n_questions)
     runs = []
     for name, drafter in drafters.items():

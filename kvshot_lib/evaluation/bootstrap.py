@@ -1,10 +1,17 @@
-"""95% bootstrap intervals of acceptance by step, MAT and retention, resampling whole generations.
+"""Bootstrap intervals over independent units, seeded: the one resampling every table of the suite uses.
 
-A generation (one MT-bench turn decoded by one drafter) is the unit: its cycles share a prompt, so they are
-not independent. Each bootstrap sample draws as many generations as were measured, with replacement, and
-recomputes the statistics from the pooled counts exactly as :func:`~.acceptance.acceptance_summary` does.
-``tests/test_reference_outputs.py`` checks the point values against the summary and that the interval
-contains them.
+A unit is what can be drawn independently: a generation (one MT-bench turn decoded by one drafter, whose cycles
+share a prompt), a sequence, a document. Each of ``n_boot`` samples draws as many units as were measured, with
+replacement (:func:`resample`), and recomputes the statistic from the drawn units' pooled counts.
+
+* :func:`ratio_ci` / :func:`mean_ci`: a pooled ratio (or mean) and its percentile interval. The diagnostics
+  compare estimates measured on the *same* units, so their draws keep each unit's pair together: the interval of
+  a difference is then the interval of the per-unit difference, and correlated noise cancels;
+  :func:`two_sided_p` turns such draws into a p-value.
+* :func:`bootstrap_acceptance`: acceptance by step, MAT and retention of decoding runs, resampling generations,
+  each recomputed exactly as :func:`~.acceptance.acceptance_summary` computes it
+  (``tests/test_reference_driver.py`` checks the point values against the summary and that the interval
+  contains them).
 """
 
 from __future__ import annotations
@@ -16,43 +23,80 @@ import pandas as pd
 
 from . import metrics
 
+N_BOOT = 2000
 
-def _stats(
-    att: np.ndarray, acc: np.ndarray, cycles: np.ndarray, n_cycles: np.ndarray, steps: int
+
+def resample(n_units: int, n_boot: int, seed: int) -> np.ndarray:
+    """``[n_boot, n_units]`` unit indices drawn with replacement."""
+    return np.random.default_rng(seed).integers(0, n_units, size=(n_boot, n_units))
+
+
+def ratio_ci(num: np.ndarray, den: np.ndarray, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95):
+    """``Σ num / Σ den`` over units, and its percentile interval: ``(estimate, lo, hi, draws [n_boot, ...])``.
+
+    ``num [n_units, ...]`` (any trailing shape, e.g. one column per draft step), ``den [n_units, ...]`` (the
+    units' weights, e.g. example counts; ones for a plain mean of unit values)."""
+    num, den = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    den = np.broadcast_to(den.reshape(den.shape + (1,) * (num.ndim - den.ndim)), num.shape)
+    if num.shape[0] == 0:
+        raise ValueError("bootstrap over zero units.")
+    idx = resample(num.shape[0], n_boot, seed)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        est = num.sum(0) / den.sum(0)
+        draws = num[idx].sum(1) / den[idx].sum(1)  # [n_boot, ...]
+    a = (1 - level) / 2
+    lo, hi = np.nanquantile(draws, a, axis=0), np.nanquantile(draws, 1 - a, axis=0)
+    return est, lo, hi, draws
+
+
+def mean_ci(values: np.ndarray, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95):
+    """The mean of unit values ``[n_units, ...]`` (NaN units dropped per column) with its interval."""
+    values = np.asarray(values, dtype=float)
+    ok = ~np.isnan(values)
+    return ratio_ci(np.where(ok, values, 0.0), ok.astype(float), n_boot, seed, level)
+
+
+def two_sided_p(draws: np.ndarray) -> np.ndarray:
+    """Bootstrap p-value of "the difference is 0": twice the smaller tail share of the draws around 0."""
+    draws = np.asarray(draws, dtype=float)
+    below = (draws <= 0).mean(0)
+    above = (draws >= 0).mean(0)
+    return np.minimum(1.0, 2 * np.minimum(below, above))
+
+
+def _acceptance_stats(
+    att: np.ndarray, acc: np.ndarray, accepted: np.ndarray, cycles: np.ndarray
 ) -> list[float]:
+    """alpha_0..alpha_{K-1}, MAT and retention of the pooled generations (``att``/``acc`` ``[G, K]``)."""
     a, s = att.sum(0), acc.sum(0)  # [K]
-    alpha = [float(s[k] / a[k]) if a[k] else math.nan for k in range(steps)]
-    n = n_cycles.sum()
-    mat = float((cycles.sum() + n) / n) if n else math.nan
-    ret = metrics.retention(alpha, attempts=a.tolist()) if steps > 6 else math.nan
+    alpha = [float(s[k] / a[k]) if a[k] else math.nan for k in range(att.shape[1])]
+    mat = float(metrics.mat_from_counts(accepted.sum(), cycles.sum()))
+    ret = metrics.retention(alpha, attempts=a.tolist()) if att.shape[1] > 6 else math.nan
     return alpha + [mat, ret]
 
 
 def bootstrap_acceptance(runs, n_boot: int = 1000, seed: int = 0, steps: int = 7) -> pd.DataFrame:
-    """One row per run x metric (``alpha_0`` .. ``alpha_{steps-1}``, ``mat``, ``retention``): value, lo, hi."""
+    """One row per run x metric (``alpha_0`` .. ``alpha_{steps-1}``, ``mat``, ``retention``): value, lo, hi
+    (the 2.5 and 97.5 percentiles of ``n_boot`` resamples of the run's generations)."""
     names = [f"alpha_{k}" for k in range(steps)] + ["mat", "retention"]
     rows = []
     for run in runs:
         G = len(run.results)
         if not G:
             continue
-        att = np.zeros((G, steps))
-        acc = np.zeros((G, steps))
+        att, acc = np.zeros((G, steps)), np.zeros((G, steps))
         for g, r in enumerate(run.results):
             k = min(steps, len(r.step_attempts))
             att[g, :k], acc[g, :k] = r.step_attempts[:k], r.step_accepts[:k]
-        cycles = np.array([sum(r.accepted_per_cycle) for r in run.results], dtype=float)
-        n_cycles = np.array([len(r.accepted_per_cycle) for r in run.results], dtype=float)
-        point = _stats(att, acc, cycles, n_cycles, steps)
-        rng = np.random.default_rng(seed)
-        samples = []
-        for _ in range(n_boot):
-            idx = rng.integers(0, G, G)
-            samples.append(_stats(att[idx], acc[idx], cycles[idx], n_cycles[idx], steps))
-        samples = np.array(samples, dtype=float)  # [n_boot, metrics]
+        accepted = np.array([sum(r.accepted_per_cycle) for r in run.results], dtype=float)
+        cycles = np.array([len(r.accepted_per_cycle) for r in run.results], dtype=float)
+        point = _acceptance_stats(att, acc, accepted, cycles)
+        draws = np.array(
+            [_acceptance_stats(att[i], acc[i], accepted[i], cycles[i]) for i in resample(G, n_boot, seed)],
+            dtype=float,
+        )  # [n_boot, metrics]
         for j, name in enumerate(names):
-            col = samples[:, j]
-            col = col[~np.isnan(col)]
+            col = draws[:, j][~np.isnan(draws[:, j])]
             lo, hi = np.percentile(col, [2.5, 97.5]).tolist() if len(col) else (math.nan, math.nan)
             rows.append(dict(**run.labels(), metric=name, value=point[j], lo=lo, hi=hi, n_generations=G))
     return pd.DataFrame(rows)

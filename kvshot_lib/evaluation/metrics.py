@@ -54,10 +54,15 @@ def p_reach(alpha: Sequence[float]) -> list[float]:
     return out
 
 
+def mat_from_counts(n_accepted: float, n_cycles: float) -> float:
+    """MAT (tau) from totals: ``(accepted drafts + one bonus token per cycle) / cycles``; NaN without cycles."""
+    return (n_accepted + n_cycles) / n_cycles if n_cycles else math.nan
+
+
 def mean_accepted_tokens(accepted_per_cycle: Iterable[int]) -> float:
     """MAT (tau): mean of accepted drafts + 1 (the bonus token) over cycles; NaN without cycles."""
     values = list(accepted_per_cycle)
-    return (sum(values) + len(values)) / len(values) if values else math.nan
+    return mat_from_counts(sum(values), len(values))
 
 
 MIN_ATTEMPTS = 20  # a conditional alpha measured on fewer attempts is noise, not a rate

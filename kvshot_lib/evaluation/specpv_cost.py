@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..decoding.engine import Prefill, take_prefill
+from ..decoding.cycle import Prefill
 from ..decoding.partial_kv import PartialKVCache, PartialKVConfig
 
 QWEN3_8B_H100 = dict(
@@ -60,7 +60,7 @@ def forward_costs(
     """Median seconds of an ``n``-row forward on the first ``L`` tokens of ``pre``'s cache for every
     ``L`` x ``n``, and of a partial-cache rebuild at each ``L`` (``n = 0`` rows in the table)."""
     model = target.model
-    cache, _, _ = take_prefill(pre, pre.ids, (), model.config)
+    cache = pre.copy(pre.ids, (), model.config).cache
     block_cfg = (block_cfg or PartialKVConfig(budget=1024)).validate()
     g = torch.Generator().manual_seed(0)
     cfg = model.config

@@ -1,4 +1,4 @@
-"""How close SpecPV stays to lossless decoding: the fidelity sweep over budget × P at temperature 0.
+"""How close SpecPV stays to lossless decoding: the fidelity sweep over budget × ``full_every`` at temperature 0.
 
 Per generation, against plain greedy decoding of the same prompt (the lossless output):
 
@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..decoding.engine import DecodeConfig, autoregressive_generate, prefill_prompt
+from ..decoding.cycle import DecodeConfig, Prefill
+from ..decoding.engine import autoregressive_generate
 from ..decoding.specpv import PartialStep, SpecPVConfig, full_block, specpv_generate
 from . import metrics
 
@@ -114,12 +115,13 @@ def run_fidelity(
     cfg: DecodeConfig,
     budgets,
     full_everys,
-    modes=("specpv",),
+    variants=("specpv",),
     base: SpecPVConfig | None = None,
     progress: bool = True,
     prefills: dict | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Greedy SpecPV on every prompt (``{context length: [prompt ids]}``) for every budget × P × mode,
+    """Greedy SpecPV on every prompt (``{context length: [prompt ids]}``) for every budget × full_every × variant
+    (the tables keep the variant in their ``mode`` column),
     against plain greedy decoding. Returns the per-generation table and the per-row probe table.
     ``prefills``: a dict shared with :func:`~.specpv_speed.run_speed` to prefill each prompt once."""
     cfg = replace(cfg, temperature=0.0).validate()
@@ -127,17 +129,17 @@ def run_fidelity(
     tok = target.tokenizer
     layers = tuple(drafter.new_session().hidden_layers) if drafter is not None else ()
     runs, steps = [], []
-    grid = [(b, p, m) for b in budgets for p in full_everys for m in modes]
+    grid = [(b, p, v) for b in budgets for p in full_everys for v in variants]
     todo = [(ctx, i, ids) for ctx, group in prompts.items() for i, ids in enumerate(group)]
     for ctx, i, ids in tqdm(todo, desc="SpecPV fidelity", disable=not progress):
-        pre = shared_prefill(prefills, target, ids, layers)
+        pre = Prefill.run(target, ids, layers, store=prefills)
         reference = autoregressive_generate(target, ids, replace(cfg, mode="ar"), prefill=pre).token_ids
         ref_text = tok.decode(reference, skip_special_tokens=True)
-        for budget, full_every, mode in grid:
-            pv = replace(base, budget=budget, full_every=full_every, strict=mode == "strict").validate()
+        for budget, full_every, variant in grid:
+            pv = replace(base, budget=budget, full_every=full_every, strict=variant == "strict").validate()
             probe = FidelityProbe()
             out = specpv_generate(target, drafter, ids, cfg, pv, on_partial=probe, prefill=pre)
-            key = dict(context=ctx, prompt=i, budget=budget, full_every=full_every, mode=mode)
+            key = dict(context=ctx, prompt=i, budget=budget, full_every=full_every, mode=variant)
             steps += [{**key, **row} for row in probe.rows]
             agree = [r["top1_agree"] for r in probe.rows]
             runs.append(
@@ -160,18 +162,6 @@ def run_fidelity(
     return pd.DataFrame(runs), pd.DataFrame(steps)
 
 
-def shared_prefill(store: dict | None, target, ids: list[int], layers: tuple[int, ...]):
-    """The :class:`~kvshot_lib.decoding.engine.Prefill` of ``ids`` with ``layers``' hidden states, from
-    ``store`` when it holds one (else computed, and kept there when ``store`` is a dict)."""
-    key = (tuple(ids), tuple(layers))
-    if store is not None and key in store:
-        return store[key]
-    pre = prefill_prompt(target, ids, layers)
-    if store is not None:
-        store[key] = pre
-    return pre
-
-
 def mat_by_kind(accepted_per_cycle: list[int], cycle_kind: list[str]) -> dict:
     """MAT (bonus token counted) over partial and over full verification cycles, and their counts."""
     res = {}
@@ -183,7 +173,7 @@ def mat_by_kind(accepted_per_cycle: list[int], cycle_kind: list[str]) -> dict:
 
 
 def fidelity_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Mean over prompts per context × budget × P × mode."""
+    """Mean over prompts per context × budget × full_every × variant (column ``mode``)."""
     keys = ["context", "budget", "full_every", "mode"]
     cols = [
         "exact_match",

@@ -1,13 +1,13 @@
 """SpecPV's speed at long context: plain decoding, lossless speculative decoding and SpecPV, in one run.
 
-For each long prompt the target prefills once (:func:`~kvshot_lib.decoding.engine.prefill_prompt`) and
+For each long prompt the target prefills once (:meth:`~kvshot_lib.decoding.cycle.Prefill.run`) and
 every method starts from a private copy of that cache, so the 4k-8k-token prefill (tens of seconds on a
 CPU) is paid once per prompt, not once per method. Methods, interleaved per prompt so that a slow spell of
 a shared machine hits them alike (one untimed warm-up first):
 
 * ``ar``: plain decoding (the engine's loop), the baseline of every ratio;
 * ``lossless``: the engine's speculative decoding with the drafter (full verification every cycle);
-* ``specpv`` / ``strict``: partial verification for each budget × P.
+* ``specpv`` / ``strict``: partial verification, in each of its variants, for each budget × ``full_every``.
 
 Speeds are **decode** tokens/s: new tokens over wall time after the prefill (the prefill is the same for
 every method and would hide the difference at 8k tokens). Per-phase times (draft, partial verification,
@@ -24,16 +24,18 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding.engine import DecodeConfig, generate
+from ..decoding.cycle import DecodeConfig, Prefill
+from ..decoding.dispatch import generate
 from ..decoding.specpv import SpecPVConfig
 from . import metrics
-from .specpv_fidelity import first_divergence, mat_by_kind, shared_prefill
+from .specpv_fidelity import first_divergence, mat_by_kind
 
 
-def speed_plan(budgets, full_everys, modes) -> list[tuple[str, int | None, int | None]]:
-    """The methods to time, as (method, budget, P): ``ar``, ``lossless``, then SpecPV's grid."""
+def speed_plan(budgets, full_everys, variants) -> list[tuple[str, int | None, int | None]]:
+    """The methods to time, as (method, budget, full_every): ``ar``, ``lossless``, then SpecPV's grid over its
+    ``variants`` (``specpv``, ``strict``)."""
     return [("ar", None, None), ("lossless", None, None)] + [
-        (m, b, p) for m in modes for b in budgets for p in full_everys
+        (v, b, p) for v in variants for b in budgets for p in full_everys
     ]
 
 
@@ -54,18 +56,18 @@ def run_speed(
     cfg: DecodeConfig,
     budgets,
     full_everys,
-    modes=("specpv",),
+    variants=("specpv",),
     base: SpecPVConfig | None = None,
     progress: bool = True,
     on_prefill=None,
     prefills: dict | None = None,
 ) -> pd.DataFrame:
-    """One row per (context, prompt, method, budget, P): tokens, decode seconds, phase times, cycles.
+    """One row per (context, prompt, method, budget, full_every): tokens, decode seconds, phase times, cycles.
     ``on_prefill(context, prompt index, Prefill)`` runs after each prompt's prefill (e.g. to time forwards
     on that real cache for the cost model). ``prefills``: shared with :func:`~.specpv_fidelity.run_fidelity`
     so that each prompt is prefilled once (the prefill is timed where it ran and charged to every method)."""
     base = base or SpecPVConfig()
-    plan = speed_plan(budgets, full_everys, modes)
+    plan = speed_plan(budgets, full_everys, variants)
     for _m, b, p in plan:  # validate every setting before the first prefill
         if b is not None:
             replace(base, budget=b, full_every=p).validate()
@@ -73,7 +75,7 @@ def run_speed(
     todo = [(ctx, i, ids) for ctx, group in prompts.items() for i, ids in enumerate(group)]
     rows = []
     for n, (ctx, i, ids) in enumerate(tqdm(todo, desc="SpecPV speed", disable=not progress)):
-        pre = shared_prefill(prefills, target, ids, layers)
+        pre = Prefill.run(target, ids, layers, store=prefills)
         if on_prefill is not None:
             on_prefill(ctx, i, pre)
         if n == 0:  # untimed warm-up of every code path
@@ -122,7 +124,7 @@ def _row(out, ctx, i, method, budget, full_every, reference) -> dict:
 
 
 def speed_table(rows: pd.DataFrame, machine: str) -> pd.DataFrame:
-    """One row per drafter × context × method × budget × P: decode tokens/s, ratios to ``ar`` and
+    """One row per drafter × context × method × budget × full_every: decode tokens/s, ratios to ``ar`` and
     ``lossless`` of the same drafter and context (same run), phase milliseconds per token, MAT over partial
     and over full cycles (bonus counted in both)."""
     keys = ["drafter", "context", "method", "budget", "full_every"]
@@ -159,6 +161,6 @@ def speed_table(rows: pd.DataFrame, machine: str) -> pd.DataFrame:
         sums[f"{phase[:-2]}_ms_per_token"] = 1000 * sums[phase] / sums.n_tokens
     for kind in ("partial", "full"):
         c = sums[f"cycles_{kind}"]
-        sums[f"mat_{kind}"] = [(a + k) / k if k else math.nan for a, k in zip(sums[f"accepted_{kind}"], c)]
+        sums[f"mat_{kind}"] = [metrics.mat_from_counts(a, k) for a, k in zip(sums[f"accepted_{kind}"], c)]
     sums["machine"] = machine
     return sums

@@ -25,7 +25,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..corpus import answer_text, chat_prompt_ids, load_mtbench, mtbench_messages
-from ..decoding.engine import DecodeConfig, GenerationResult, generate
+from ..decoding.cycle import DecodeConfig, GenerationResult, stop_tokens
+from ..decoding.dispatch import generate
 from . import metrics
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup")
@@ -83,7 +84,7 @@ def run_mtbench_benchmark(
         target, drafters, [chat_prompt_ids(tok, mtbench_messages(q)) for q in questions], **kwargs
     )
     if turns == 2:
-        stops = set(target.info.eos_token_ids)
+        stops = set(stop_tokens(None, target.info))
         ar = next(m for m in plan if m.method == "ar")
         answers = [answer_text(tok, r.token_ids, stops) for r in ar.results]
         second = [chat_prompt_ids(tok, mtbench_messages(q, 1, a)) for q, a in zip(questions, answers)]
@@ -107,7 +108,7 @@ def hf_generate(
 ) -> GenerationResult:
     """Hugging Face ``generate`` timed the same way as our engine (prefill included)."""
     model = target.model
-    stops = list(cfg.stop_token_ids if cfg.stop_token_ids is not None else target.info.eos_token_ids)
+    stops = list(stop_tokens(cfg, target.info))
     ids = torch.tensor([prompt_ids], device=model.device)  # [1, T]
     kwargs = dict(
         max_new_tokens=cfg.max_new_tokens,

@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .style import PAGE, PARADIGM_COLORS
+from .style import PAGE, PARADIGM_COLORS, finish_figure
 
 
 def plot_length_distributions(
@@ -32,5 +32,4 @@ def plot_length_distributions(
         ax.set_ylabel(f"{what}s (count)")
         ax.set_title(f"{what}s (n = {len(values)})")
         ax.legend(frameon=False)
-    fig.tight_layout()
-    return fig
+    return finish_figure(fig)

@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .style import MODE_STYLES, PAGE, drafter_color
+from .style import MODE_STYLES, PAGE, drafter_color, finish_figure
 
 _MARKERS = "osD^vP*Xhp<>"
 
@@ -52,11 +52,7 @@ def plot_acceptance_by_step(
         ax.set_xlabel("draft step k")
     axes[0][0].set_title("conditional: $\\alpha_k$")
     axes[0][1].set_title("unconditional: reach probability")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
-    fig.suptitle(f"{title}  (steps with < {min_attempts} attempts not drawn)")
-    fig.tight_layout()
-    return fig
+    return finish_figure(fig, f"{title}  (steps with < {min_attempts} attempts not drawn)", axes[0][0])
 
 
 def plot_mat_by_drafter(summary: pd.DataFrame, title: str = "Mean accepted tokens per cycle (MAT, τ)"):
@@ -82,8 +78,7 @@ def plot_mat_by_drafter(summary: pd.DataFrame, title: str = "Mean accepted token
     ax.set_ylabel("MAT τ (accepted drafts + bonus,\ntokens per cycle)")
     ax.set_title(title)
     ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    return fig
+    return finish_figure(fig)
 
 
 def plot_speedup_vs_mat(table: pd.DataFrame, title: str | None = None):
@@ -123,5 +118,4 @@ def plot_speedup_vs_mat(table: pd.DataFrame, title: str | None = None):
     machine = table["machine"].iloc[0] if "machine" in table and len(table) else ""
     ax.set_title(title or f"End-to-end speedup on {machine}")
     ax.legend(frameon=False, loc="best")
-    fig.tight_layout()
-    return fig
+    return finish_figure(fig)

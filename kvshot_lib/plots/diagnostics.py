@@ -11,9 +11,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import seaborn as sns
-from matplotlib.ticker import MaxNLocator
 
-from .style import COLUMN, PAGE, PARADIGM_COLORS, drafter_color
+from .style import COLUMN, PAGE, PARADIGM_COLORS, REGIME_STYLES, drafter_color, finish_figure
 
 BASELINE_LOOKS = {  # the estimates every drafter is compared with
     "stale": dict(color="0.35", ls="--"),
@@ -45,11 +44,6 @@ SINK = {"with_sink": "sink kept", "without_sink": "sink removed, renormalized"}
 CI = dict(errorbar=("ci", 95), n_boot=1000, seed=0)
 
 
-def _integer_steps(fig) -> None:
-    for ax in fig.axes:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-
 def _paradigms(table: pd.DataFrame) -> dict[str, str]:
     return dict(table[["drafter", "paradigm"]].drop_duplicates("drafter").itertuples(index=False, name=None))
 
@@ -63,9 +57,12 @@ def _estimates(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def _line_kw(line: str, paradigms: dict) -> dict:
+    """A baseline's look, or a drafter's: colour by paradigm, line by regime (the name's suffix: ``kv-tf`` is
+    dotted, ``kv-ttt`` solid), as in notebook 02's figures, so two drafters of one paradigm stay apart."""
     if line in BASELINE_LOOKS:
         return BASELINE_LOOKS[line]
-    return dict(color=drafter_color(line, paradigms.get(line)), ls="-")
+    regime = line.rsplit("-", 1)[-1]
+    return dict(color=drafter_color(line, paradigms.get(line)), ls=REGIME_STYLES.get(regime, "-"))
 
 
 def plot_query_error_by_step(by_step: pd.DataFrame, metrics=("out_err", "kl_bits", "unavailable_mass")):
@@ -103,12 +100,8 @@ def plot_query_error_by_step(by_step: pd.DataFrame, metrics=("out_err", "kl_bits
             ax.set_xlabel("draft step k" if r else "")
             if ax.get_legend():
                 ax.get_legend().remove()
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
-    fig.suptitle("Query-estimation error by draft step: drafters vs stale query, uniform attention, oracle")
-    _integer_steps(fig)
-    fig.tight_layout()
-    return fig
+    title = "Query-estimation error by draft step: drafters vs stale query, uniform attention, oracle"
+    return finish_figure(fig, title, axes[0][0], integer_steps=True)
 
 
 def plot_query_error_by_head(by_head: pd.DataFrame, metric: str = "out_err"):
@@ -134,12 +127,8 @@ def plot_query_error_by_head(by_head: pd.DataFrame, metric: str = "out_err"):
         ax.set_title(f"target layer {layer}")
         ax.set_xlabel("target query head")
     axes[0][0].set_ylabel(ERROR_LABELS.get(metric, metric) + "\n(mean over steps)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
-    fig.suptitle("Error by layer and head (circled: the head a drafter query matches best)")
-    _integer_steps(fig)
-    fig.tight_layout()
-    return fig
+    title = "Error by layer and head (circled: the head a drafter query matches best)"
+    return finish_figure(fig, title, axes[0][0], integer_steps=True)
 
 
 def plot_query_error_vs_acceptance(vs_acc: pd.DataFrame, metric: str = "out_err"):
@@ -169,10 +158,7 @@ def plot_query_error_vs_acceptance(vs_acc: pd.DataFrame, metric: str = "out_err"
         ax.set_xlabel("draft step k")
         ax.set_ylabel(ERROR_LABELS.get(metric, metric))
         ax.legend(frameon=False, fontsize=6)
-    fig.suptitle("Query error at accepted vs rejected draft steps")
-    _integer_steps(fig)
-    fig.tight_layout()
-    return fig
+    return finish_figure(fig, "Query error at accepted vs rejected draft steps", integer_steps=True)
 
 
 def plot_causal_check(causal: pd.DataFrame):
@@ -201,10 +187,8 @@ def plot_causal_check(causal: pd.DataFrame):
         ax.set_xlabel("draft step k")
         ax.set_ylabel("conditional acceptance $\\alpha_k$")
         ax.legend(frameon=False, fontsize=6)
-    fig.suptitle("Causal check: acceptance with the query moved towards the target's (chain, T=0)")
-    _integer_steps(fig)
-    fig.tight_layout()
-    return fig
+    title = "Causal check: acceptance with the query moved towards the target's (chain, T=0)"
+    return finish_figure(fig, title, integer_steps=True)
 
 
 def plot_probe_results(results: pd.DataFrame):
@@ -227,12 +211,8 @@ def plot_probe_results(results: pd.DataFrame):
         ax.set_xlabel("k (predicting the token at t+1+k)")
         ax.set_ylabel(label)
     axes[2].axhline(0, color="0.5", lw=0.8)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
-    fig.suptitle("What the target holds at t about its token at t+1+k (probes of equal size, frozen LM head)")
-    _integer_steps(fig)
-    fig.tight_layout()
-    return fig
+    title = "What the target holds at t about its token at t+1+k (probes of equal size, frozen LM head)"
+    return finish_figure(fig, title, axes[0], integer_steps=True)
 
 
 def plot_information_gap(gap: pd.DataFrame):
@@ -253,6 +233,4 @@ def plot_information_gap(gap: pd.DataFrame):
     ax.set_ylabel("IG(P_kv) − IG(P_h) (bits)")
     ax.legend(frameon=False, fontsize=5.5, loc="upper left", bbox_to_anchor=(0, -0.32))
     ax.set_title("Information gap, KV cache vs hidden state")
-    _integer_steps(fig)
-    fig.tight_layout()
-    return fig
+    return finish_figure(fig, integer_steps=True)

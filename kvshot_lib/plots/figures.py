@@ -69,8 +69,12 @@ def _speedup_counts(t):
 
 
 def _specpv_counts(t):
-    d = t["specpv_fidelity_runs.csv"]
-    return f"each point: {d.groupby(['context', 'budget', 'full_every', 'mode']).size().max()} prompts; band: 95% bootstrap interval"
+    n = t["specpv_fidelity_runs.csv"].groupby(["context", "budget", "full_every", "mode"]).size().max()
+    return (
+        f"each point: {n} prompts; band: 95% bootstrap interval"
+        if n > 1
+        else "each point: one prompt (no interval)"
+    )
 
 
 def _speed_machine(t, name="specpv_speed.csv"):

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from .style import PAGE
+from .style import PAGE, finish_figure
 
 _STYLES = ["-", "--", ":", "-."]
 PHASES = [
@@ -36,7 +36,8 @@ def _palette(values) -> dict:
 
 def plot_fidelity(runs: pd.DataFrame):
     """Exact match, teacher-forced top-1 agreement and ROUGE-L against lossless decoding, by budget; one
-    line per P (colour) and context (style), 95% bootstrap interval over prompts (``specpv`` mode)."""
+    line per full_every (colour) and context (style), 95% bootstrap interval over prompts where there are several
+    (the ``specpv`` variant)."""
     d = runs[runs["mode"] == "specpv"].copy()
     d["P"] = d["full_every"].astype(str)
     d["context"] = d["context"].astype(str)
@@ -65,9 +66,7 @@ def plot_fidelity(runs: pd.DataFrame):
         ax.set_ylim(-0.03, 1.03)
         _budget_axis(ax, d["budget"].unique())
     axes[-1].legend(frameon=False, fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.suptitle("SpecPV against lossless decoding (greedy)")
-    fig.tight_layout()
-    return fig
+    return finish_figure(fig, "SpecPV against lossless decoding (greedy)")
 
 
 def plot_drift(steps: pd.DataFrame):
@@ -94,9 +93,7 @@ def plot_drift(steps: pd.DataFrame):
         ax.set_xlabel("tokens since the last full pass")
         ax.set_ylabel(label)
     axes[-1].legend(title="budget", frameon=False, fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.suptitle("Drift of partial verification between full passes")
-    fig.tight_layout()
-    return fig
+    return finish_figure(fig, "Drift of partial verification between full passes")
 
 
 def _first_drafter(table: pd.DataFrame) -> pd.DataFrame:
@@ -134,12 +131,9 @@ def plot_speed(table: pd.DataFrame):
         if len(spv):
             _budget_axis(ax, spv["budget"].unique())
     axes[0][0].set_ylabel("decode tokens/s")
-    handles, labels = axes[0][-1].get_legend_handles_labels()
-    fig.legend(handles, labels, frameon=False, fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     drafter = table["drafter"].iloc[0] if "drafter" in table else ""
-    fig.suptitle(f"Decode speed with the {drafter} drafter on {table['machine'].iloc[0]}")
-    fig.tight_layout()
-    return fig
+    title = f"Decode speed with the {drafter} drafter on {table['machine'].iloc[0]}"
+    return finish_figure(fig, title, axes[0][-1], fontsize=6)
 
 
 def plot_phases(table: pd.DataFrame):
@@ -170,8 +164,7 @@ def plot_phases(table: pd.DataFrame):
         ax.set_xticks(range(len(t)), labels, fontsize=5, rotation=0)
         ax.set_ylabel(f"{ctx} tokens\nms per token")
     axes[0, 0].legend(frameon=False, fontsize=6, ncols=5, loc="lower center", bbox_to_anchor=(0.5, 1.0))
-    fig.tight_layout()
-    return fig
+    return finish_figure(fig)
 
 
 def plot_cost_model(curves: pd.DataFrame, crossover: pd.DataFrame, measured: pd.DataFrame):
@@ -206,7 +199,4 @@ def plot_cost_model(curves: pd.DataFrame, crossover: pd.DataFrame, measured: pd.
         ax.set_xlabel("context length (tokens)")
         ax.set_title(machine, fontsize=7)
     axes[0][0].set_ylabel("SpecPV speedup over\nlossless (model; dots measured)")
-    handles, labels = axes[0][-1].get_legend_handles_labels()
-    fig.legend(handles, labels, frameon=False, fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    return fig
+    return finish_figure(fig, legend_from=axes[0][-1], fontsize=6)

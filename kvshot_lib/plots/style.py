@@ -3,6 +3,8 @@
 * Sizes for a two-column paper: :data:`COLUMN` (3.4 in) and :data:`PAGE` (7.0 in) wide.
 * seaborn's colour-blind palette, with one colour per paradigm in every notebook
   (:func:`drafter_color`): hidden, KV, hybrid, block, the no-target control, n-gram, self, random.
+* :func:`finish_figure` ends every figure alike: one legend right of the axes, the title, whole-number
+  step axes, a tight layout;
 * :func:`add_caption` writes the line under a figure that says the target, the data and what each
   point averages.
 * :func:`save_figure` writes a vector PDF and a PNG whose bytes depend only on the figure: no dates, no
@@ -17,6 +19,7 @@ from pathlib import Path
 import matplotlib
 import matplotlib.pyplot as plt
 import seaborn as sns
+from matplotlib.ticker import MaxNLocator
 
 COLUMN, PAGE = 3.4, 7.0  # figure widths in inches: one column, the full page
 
@@ -78,6 +81,22 @@ def paradigm_of(name: str, paradigm: str | None = None) -> str:
 def drafter_color(name: str, paradigm: str | None = None):
     """The colour of a drafter: its paradigm's, so that every notebook colours a paradigm alike."""
     return PARADIGM_COLORS.get(paradigm_of(name, paradigm), (0.4, 0.4, 0.4))
+
+
+def finish_figure(fig, title: str | None = None, legend_from=None, integer_steps: bool = False, **legend):
+    """The end of every figure: one legend right of the axes with ``legend_from``'s entries (an axis; ``legend``
+    overrides its keywords), the ``title``, whole-number ticks on every x axis (``integer_steps``: draft steps,
+    k) and a tight layout. Returns ``fig``."""
+    if legend_from is not None:
+        kw = dict(loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, **legend)
+        fig.legend(*legend_from.get_legend_handles_labels(), **kw)
+    if title:
+        fig.suptitle(title)
+    if integer_steps:
+        for ax in fig.axes:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    return fig
 
 
 def add_caption(fig, text: str) -> None:

@@ -1,6 +1,6 @@
 """Batches for drafter training, from the feature store (or straight from a target; see ``online.py``).
 
-:class:`StoreBatches` turns a :class:`~kvshot_lib.features.FeatureStore` into padded
+:class:`StoreBatches` turns a :class:`~kvshot_lib.corpus.features.FeatureStore` into padded
 :class:`~kvshot_lib.drafters.unroll.TrainBatch` es in a deterministic order: an endless stream of seeded
 per-epoch permutations, where optimizer step ``s`` takes stream items ``s*B .. (s+1)*B - 1``. The data
 position is therefore a function of the step alone, which is what makes resuming exact; with several

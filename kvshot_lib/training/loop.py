@@ -9,7 +9,7 @@ training loss, the per-step held-out accuracy and the gradient probes, and write
 * ``state/``: the resumable state while training runs (removed when it finishes).
 
 Calling it again with the same config returns the finished run from disk; after an interruption it resumes.
-The objectives are in :mod:`kvshot_lib.train_losses`, the probes in :mod:`kvshot_lib.grad_probes`.
+The objectives are in :mod:`kvshot_lib.training.losses`, the probes in :mod:`kvshot_lib.training.grad_probes`.
 
 The loop uses ``accelerate``'s :class:`Accelerator`, so the same code runs on one CPU, one GPU, or several
 GPUs under ``accelerate launch -m kvshot_lib.cli train ...`` (data-parallel; see README).

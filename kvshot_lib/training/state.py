@@ -4,7 +4,7 @@
 tensor of the optimizer's state, keyed ``<param index>.<name>``) and ``trainer.json`` (the step reached, the
 optimizer's hyper-parameters and non-tensor state, the training config and the logs so far). The folder is
 written under a temporary name and swapped in, so an interruption leaves the previous state intact. The
-data position is a function of the step (see :mod:`kvshot_lib.train_data`) and the learning rate schedule
+data position is a function of the step (see :mod:`kvshot_lib.training.batches`) and the learning rate schedule
 too, so a resumed run continues exactly where the interrupted one was.
 """
 

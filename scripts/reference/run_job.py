@@ -1,4 +1,8 @@
-"""The reference run's driver: one command per device call, and the steps around them on this machine.
+"""The reference run on a time-boxed remote GPU: one command per device call, and the steps around them here.
+
+The run itself is ``python -m kvshot_lib.reference`` (any machine that can run it whole); this driver is its
+optional transport (the ``transport`` package beside it) for a bare device that reaches nothing, runs a
+command for 10 minutes and carries 64 MiB per call.
 
     python scripts/reference/run_job.py plan                  # the device calls to make, in order (with carry)
     python scripts/reference/run_job.py pack                  # here: write the payload parts (runs/reference-payload/)
@@ -28,6 +32,7 @@ from pathlib import Path
 T0 = time.perf_counter()
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the transport package
 _site = (
     Path(os.environ.get("KVSHOT_CACHE") or ROOT / "data" / "cache") / "reference-stage" / "assets" / "site"
 )
@@ -43,7 +48,7 @@ def fail(msg: str) -> None:
 
 
 def load(args):
-    from kvshot_lib.reference.plan import PlanError, load_plan
+    from kvshot_lib.reference import PlanError, load_plan
 
     try:
         return load_plan(args.profile, smoke=args.smoke)
@@ -95,7 +100,7 @@ def cmd_plan(args) -> None:
 
 
 def cmd_pack(args) -> None:
-    from kvshot_lib.reference import payload
+    from transport import payload
 
     plan = load(args)
     out = Path(args.out) if args.out else payload.PAYLOAD_DIR
@@ -110,7 +115,7 @@ def cmd_pack(args) -> None:
 
 
 def cmd_stage(args) -> None:
-    from kvshot_lib.reference import payload
+    from transport import payload
 
     try:
         status = payload.stage(Path(args.part))
@@ -122,8 +127,9 @@ def cmd_stage(args) -> None:
 
 
 def cmd_job(args) -> None:
-    from kvshot_lib.reference import jobs, payload
-    from kvshot_lib.reference.plan import PlanError
+    from transport import jobs, outputs, payload
+
+    from kvshot_lib.reference import PlanError, run
 
     plan = load(args)
     try:
@@ -156,9 +162,9 @@ def cmd_job(args) -> None:
         for r in job.rows:
             row = plan.row(r)
             if job.kind == "eval":
-                jobs.checkpoint_path(plan, r)
+                run.checkpoint_path(plan, r, outputs.runs_dir())
             elif row.init_row and row.init_row not in job.rows:
-                jobs.init_path(plan, row)
+                run.init_path(plan, row, outputs.runs_dir())
     except PlanError as e:
         fail(str(e))
     result = jobs.run(plan, job, Path(out), device, T0, minutes, progress=not args.quiet)
@@ -167,7 +173,7 @@ def cmd_job(args) -> None:
 
 
 def cmd_merge(args) -> None:
-    from kvshot_lib.reference import merge
+    from transport import merge
 
     plan = load(args)
     missing = [s for s in args.sources if not Path(s).exists()]
@@ -204,8 +210,9 @@ def cmd_checkpoints(args) -> None:
 def cmd_dry_run(args) -> None:
     """The whole path on this CPU at smoke scale: pack, a bare copy of the working tree staged part by part, every
     job as its own process with a fresh $OUT, the limits of what comes back, the merge, and the redraw."""
-    from kvshot_lib.reference import outputs, payload
-    from kvshot_lib.reference.plan import load_plan
+    from transport import outputs, payload
+
+    from kvshot_lib.reference import load_plan
 
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)

@@ -1,9 +1,9 @@
-"""What a reference job brings back, within the device's limits: at most 8 files of at most 16 MiB, at most
-two folders down, names of letters, digits, '.', '_' and '-'.
+"""What a reference job brings back, within the remote device's limits: at most 8 files of at most 16 MiB, at
+most two folders down, names of letters, digits, '.', '_' and '-'.
 
 A job writes into ``<OUT>/<job>/``:
 
-* ``tables.tar.gz``: every small table (per row ``rows/<row>/history.csv`` and ``eval.csv``; ``summary.csv``;
+* ``tables.tar.gz``: every small table (per row ``rows/<row>/`` notebook 02's three tables; ``summary.csv``;
   the acceptance tables; ``environment.json``, ``job.json``, ``regenerated.json``), rewritten after each row,
   so a job stopped at its limit still returns what it finished;
 * ``<row>.safetensors``: a headline row's checkpoint, trainable weights in bf16 plus ``d2t`` and
@@ -30,8 +30,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..drafters.checkpoint import CONFIG_FILE, WEIGHTS_FILE, save_drafter
+from kvshot_lib.drafters import checkpoint
+from kvshot_lib.reference import tables
+from kvshot_lib.target import cache_dir
 
+CONFIG_FILE, WEIGHTS_FILE = checkpoint.CONFIG_FILE, checkpoint.WEIGHTS_FILE
+
+ROW_TABLES = ("per_step_accuracy.csv", "training_history.csv", "heldout_eval.csv")  # per row, in rows/<row>/
 MiB = 1 << 20
 MAX_FILE = 16 * MiB
 MAX_FILES = 8
@@ -43,10 +48,13 @@ class OutputLimitError(RuntimeError):
     """A job's output would not come back from the device whole."""
 
 
+def runs_dir() -> Path:
+    """Where the device's jobs keep their trained rows, so that a later job on the same warm machine finds them."""
+    return cache_dir() / "reference-runs"
+
+
 def scratch(out: Path) -> Path:
     """The folder of small files that :func:`pack_tables` archives (outside the returned folder)."""
-    from .jobs import runs_dir
-
     path = runs_dir() / f"_tables-{Path(out).name}"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -75,8 +83,9 @@ def add_run(out: Path, result, summary: dict, checkpoint: bool) -> None:
     """A finished row: its log tables into the archive, and (``checkpoint``) its bf16 checkpoint file(s)."""
     rows = scratch(out) / "rows" / result.config.name
     rows.mkdir(parents=True, exist_ok=True)
-    for table in ("history", "eval"):
-        result.table(table).to_csv(rows / f"{table}.csv", index=False)
+    for name, table in tables.trained_tables([result], [summary]).items():
+        if name in ROW_TABLES:
+            table.to_csv(rows / name, index=False)
     (rows / "train_config.json").write_text(json.dumps(result.config.as_dict(), indent=1))
     if checkpoint:
         export_checkpoint(result.drafter, Path(out), result.config.name)
@@ -86,7 +95,7 @@ def add_run(out: Path, result, summary: dict, checkpoint: bool) -> None:
 def export_checkpoint(drafter, out: Path, name: str) -> list[Path]:
     """``<out>/<name>.safetensors`` (or ``.partIofN`` files): bf16 trainable weights, config in the metadata."""
     with tempfile.TemporaryDirectory() as tmp:
-        save_drafter(drafter, tmp, dtype=torch.bfloat16)
+        checkpoint.save_drafter(drafter, tmp, dtype=torch.bfloat16)
         config = (Path(tmp) / CONFIG_FILE).read_text()
         with safe_open(str(Path(tmp) / WEIGHTS_FILE), "pt") as f:
             state = {k: f.get_tensor(k) for k in f.keys()}
@@ -152,11 +161,8 @@ def add_regenerated(out: Path, folder: Path, raw_budget: int = 40 * MiB) -> list
 
 
 def write_acceptance(out: Path, runs, n_boot: int, done: list[dict]) -> None:
-    from ..evaluation import acceptance_summary, acceptance_table, bootstrap_acceptance
-
-    acceptance_table(runs).to_csv(scratch(out) / "acceptance_by_step.csv", index=False)
-    acceptance_summary(runs).to_csv(scratch(out) / "acceptance_summary.csv", index=False)
-    bootstrap_acceptance(runs, n_boot).to_csv(scratch(out) / "acceptance_bootstrap.csv", index=False)
+    for name, table in tables.acceptance_tables(runs, n_boot).items():
+        table.to_csv(scratch(out) / name, index=False)
     (scratch(out) / "acceptance_done.json").write_text(json.dumps(done, indent=1))
     pack_tables(out)
 

@@ -18,11 +18,11 @@ import torch
 
 @torch.no_grad()
 def self_check(device: str = "cuda", dtype: str = "bfloat16") -> dict:
-    from ..corpus import batched_greedy, chat_prompt_ids
-    from ..decoding import DecodeConfig, autoregressive_generate
-    from ..drafters import TargetView, build_drafter, drafter_config_for
-    from ..target import capture, load_target
-    from ..training import batch_from_target
+    from kvshot_lib.corpus import batched_greedy, chat_prompt_ids
+    from kvshot_lib.decoding import DecodeConfig, autoregressive_generate
+    from kvshot_lib.drafters import TargetView, build_drafter, drafter_config_for
+    from kvshot_lib.target import capture, load_target
+    from kvshot_lib.training import batch_from_target
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         device, dtype = "cpu", "float32"

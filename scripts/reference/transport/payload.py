@@ -37,8 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..target import assets
-from ..target.assets import REPO_ROOT
+from kvshot_lib.target import REPO_ROOT, assets
 
 MiB = 1 << 20
 PAYLOAD_DIR = REPO_ROOT / "runs" / "reference-payload"
@@ -97,8 +96,9 @@ def tree_bytes(root: Path = REPO_ROOT) -> int:
 
 def _write_prompts(path: Path, ids: list[str]) -> Path:
     """The system and user turns of the slices' conversations (what the regeneration job reads), as JSON."""
-    from ..corpus import load_sharegpt
-    from ..corpus.regenerate import prompt_turns
+    from kvshot_lib.corpus import load_sharegpt, regenerate
+
+    prompt_turns = regenerate.prompt_turns
 
     by_id = dict(load_sharegpt()[0])
     path.write_text(json.dumps({i: prompt_turns(by_id[i]) for i in ids}, ensure_ascii=False))
@@ -121,9 +121,10 @@ def pack(
     plan, out_dir: Path = PAYLOAD_DIR, max_call_mib: float = 62.0, part_mib: float | None = None
 ) -> dict:
     """Write the payload for ``plan`` into ``out_dir`` as parts that fit one device call each; returns its record."""
-    from ..corpus import tokenize_sharegpt
-    from ..corpus.sharegpt import split_cache_path
-    from ..target import smollm2_tokenizer
+    from kvshot_lib.corpus import sharegpt, tokenize_sharegpt
+    from kvshot_lib.target import smollm2_tokenizer
+
+    split_cache_path = sharegpt.split_cache_path
 
     data = plan.data
     tok = smollm2_tokenizer()
@@ -250,7 +251,8 @@ def _install(parts_dir: Path, pack_id: str, n: int) -> dict:
     shutil.rmtree(model_dir, ignore_errors=True)
     # A fresh interpreter, so that transformers sees the staged gguf package (it checks once, at import).
     env = dict(os.environ, KVSHOT_ASSETS_DIR=str(root / "files"), KVSHOT_CACHE=str(cache))
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "site"), str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    here = str(Path(__file__).resolve().parents[1])  # scripts/reference, where the transport package sits
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "site"), str(REPO_ROOT), here, env.get("PYTHONPATH", "")])
     code = "from kvshot_lib.target import assets; print(assets.smollm2_model_dir())"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if done.returncode:
@@ -259,9 +261,7 @@ def _install(parts_dir: Path, pack_id: str, n: int) -> dict:
     for f in (root / "model").iterdir():  # this machine's tokenizer and config files are the packer's
         shutil.copyfile(f, converted / f.name)
     digest = weights_digest(converted)
-    code = (
-        "import json; from kvshot_lib.reference.self_check import self_check; print(json.dumps(self_check()))"
-    )
+    code = "import json; from transport.self_check import self_check; print(json.dumps(self_check()))"
     env.pop("KVSHOT_ASSETS_DIR")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     print(done.stdout[-3000:], done.stderr[-3000:] if done.returncode else "")

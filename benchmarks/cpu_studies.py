@@ -2,11 +2,11 @@
 
 Each study trains drafters with the settings of the default profile's notebook 02 (read from the profile and
 the notebook's parameters cell, so the two cannot drift apart), prints a table and saves it as CSV + JSON under
-``scripts/reference/results/`` with the machine named:
+``benchmarks/results/`` with the machine named:
 
-    python scripts/reference/cpu_studies.py vocab          # draft vocabulary 4k / 8k / 16k: coverage and acc_0
-    python scripts/reference/cpu_studies.py control        # the no-target control (paradigm "none") at the default budget
-    python scripts/reference/cpu_studies.py regeneration   # hidden-only TTT on original vs regenerated responses
+    python benchmarks/cpu_studies.py vocab          # draft vocabulary 4k / 8k / 16k: coverage and acc_0
+    python benchmarks/cpu_studies.py control        # the no-target control (paradigm "none") at the default budget
+    python benchmarks/cpu_studies.py regeneration   # hidden-only TTT on original vs regenerated responses
 
 Options: ``--steps N`` (default: the profile's 400), ``--threads 1`` (default), ``--out DIR``. Checkpoints and
 logs go to ``runs/studies/<study>/`` (git-ignored); finished runs are reused, so a study can be resumed.
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import pandas as pd  # noqa: E402
@@ -39,7 +39,7 @@ from kvshot_lib.training import (  # noqa: E402
     train_drafter,
 )
 
-RESULTS = ROOT / "scripts" / "reference" / "results"
+RESULTS = ROOT / "benchmarks" / "results"
 SHARED_KEYS = (
     "train_steps",
     "batch_size",

@@ -1,0 +1,307 @@
+"""What a decoding loop carries from cycle to cycle, and the steps every loop shares.
+
+* :class:`DecodeConfig` says how to decode, in one of three *modes* (:data:`MODES`: ``ar``, ``chain``,
+  ``tree``); :class:`GenerationResult` is what one generation measured;
+* a :class:`Prefill` is a prompt run through the target once; a generation starts from it or from a private
+  copy of a shared one (the long-context benchmarks prefill each prompt once for every method);
+* a :class:`CycleState` carries a generation from one *cycle* to the next: the output so far, the committed
+  tokens, the stop tokens, the target's hidden states the drafter has not seen yet. It drafts a cycle
+  (:func:`draft_cycle`), records it, keeps the verified block's hidden states and commits the new tokens.
+
+Plain speculative decoding (:mod:`.engine`), SpecPV (:mod:`.specpv`) and the greedy replay of
+:mod:`kvshot_lib.evaluation.acceptance` all run their cycles on a :class:`CycleState`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from .sampling import check_sampling_args, logits_to_probs, sample
+from .tree import DraftTree, draft_chain, draft_dynamic_tree
+
+MODES = ("ar", "chain", "tree")
+
+
+@dataclass
+class DecodeConfig:
+    """How to decode. ``chain_depth`` is k, the number of drafted tokens per chain cycle; the tree has
+    ``tree_depth`` levels, ``tree_top_k`` children per expanded node and ``tree_budget`` nodes."""
+
+    mode: str = "chain"
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    chain_depth: int = 4
+    tree_depth: int = 6
+    tree_top_k: int = 4
+    tree_budget: int = 24
+    stop_token_ids: tuple[int, ...] | None = None  # None: the target's EOS ids
+    seed: int = 0
+    small_batch_kernel: bool = True  # CPU: a faster matmul for 2-8-token blocks (kvshot_lib.decoding.kernels)
+
+    def validate(self) -> DecodeConfig:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
+        check_sampling_args(self.temperature, self.top_k, self.top_p)
+        for name in ("max_new_tokens", "chain_depth", "tree_depth", "tree_top_k", "tree_budget"):
+            value = getattr(self, name)
+            if (
+                not isinstance(value, int)
+                or isinstance(value, bool)
+                or value < (0 if name == "max_new_tokens" else 1)
+            ):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        return self
+
+
+@dataclass
+class GenerationResult:
+    """One generation: the new tokens and everything measured along the way."""
+
+    token_ids: list[int]  # generated tokens; a stop token, if hit, is the last one
+    prompt_len: int
+    stop_reason: str  # "stop_token" | "max_new_tokens" | "context"
+    accepted_per_cycle: list[int] = field(default_factory=list)  # drafts accepted per cycle (bonus excluded)
+    drafted_per_cycle: list[int] = field(default_factory=list)  # draft nodes verified per cycle
+    step_attempts: list[int] = field(default_factory=list)  # [k] cycles that reached draft step k
+    step_accepts: list[int] = field(default_factory=list)  # [k] ... and accepted it
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def n_cycles(self) -> int:
+        return len(self.accepted_per_cycle)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """End to end: new tokens over wall time, prefill included."""
+        return len(self.token_ids) / self.total_s if self.total_s > 0 else float("nan")
+
+
+def check_prompt(prompt_ids, max_context: int) -> Tensor:
+    """The prompt as ``[1, T]`` ids; refused when empty or when it fills the target's context."""
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1)  # [1, T]
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt is empty; give at least one token.")
+    if ids.shape[1] >= max_context:
+        raise ValueError(f"the prompt has {ids.shape[1]} tokens but the target's context is {max_context}.")
+    return ids
+
+
+def stop_tokens(cfg: DecodeConfig | None, info) -> tuple[int, ...]:
+    """The tokens that end a generation, in order: ``cfg.stop_token_ids`` if given, else the target's EOS ids."""
+    given = cfg.stop_token_ids if cfg is not None else None
+    return tuple(given if given is not None else info.eos_token_ids)
+
+
+def choose_token(logits: Tensor, cfg: DecodeConfig, gen: torch.Generator) -> int:
+    """The target's own pick from ``logits [V]``: argmax, or a sample of its processed distribution."""
+    if cfg.temperature == 0:
+        return int(logits.argmax())
+    return int(sample(logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), gen))
+
+
+def keep_block_positions(cache, start: int, keep: list[int]) -> None:
+    """Keep the block entries ``start + keep[i]`` at ``start + i`` in every layer, then crop the rest."""
+    n_keep, total = len(keep), cache.get_seq_length()
+    if keep != list(range(n_keep)):
+        src = torch.tensor(keep, device=cache.layers[0].keys.device) + start  # [n_keep]
+        for layer in cache.layers:
+            layer.keys[:, :, start : start + n_keep] = layer.keys[:, :, src]  # [B, kvH, n_keep, D]
+            layer.values[:, :, start : start + n_keep] = layer.values[:, :, src]
+    if total > start + n_keep:
+        cache.crop(-(total - start - n_keep))
+
+
+@dataclass
+class Prefill:
+    """A prompt run through the target once: its cache, the logits at its last position and the hidden
+    states of some layers. A generation starts from a private :meth:`copy`, so several generations of the same
+    prompt (the long-context benchmarks) share one; ``seconds`` is charged to each generation's ``prefill_s``
+    and ``total_s`` as if it had run there."""
+
+    ids: Tensor  # [1, T]
+    cache: DynamicCache
+    logits: Tensor  # [V] at the last prompt position
+    hidden: dict[int, Tensor]  # layer -> [1, T, H]
+    seconds: float
+
+    @classmethod
+    @torch.inference_mode()
+    def run(cls, target, prompt_ids, layers=(), store: dict | None = None) -> Prefill:
+        """Run ``prompt_ids`` through the target, keeping the hidden states of ``layers``. ``store``: a dict
+        that keeps prefills by prompt and layers, so that a prompt seen before is not run again."""
+        key = (tuple(torch.as_tensor(prompt_ids).reshape(-1).tolist()), tuple(layers))
+        if store is not None and key in store:
+            return store[key]
+        model = target.model
+        ids = check_prompt(prompt_ids, target.info.max_context).to(model.device)
+        t0 = time.perf_counter()
+        cache = DynamicCache(config=model.config)
+        out = model(
+            input_ids=ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            output_hidden_states=bool(layers),
+        )
+        hidden = {layer: out.hidden_states[layer + 1] for layer in layers}  # [1, T, H] each
+        pre = cls(ids, cache, out.logits[0, -1], hidden, time.perf_counter() - t0)
+        if store is not None:
+            store[key] = pre
+        return pre
+
+    def copy(self, ids: Tensor, layers: tuple[int, ...], config) -> Prefill:
+        """A private copy of the cache for one generation of the prompt ``ids [1, T]``, with the hidden
+        states of ``layers``; refused if it was computed for another prompt or without those layers."""
+        if not torch.equal(self.ids.to(ids.device), ids):
+            raise ValueError("the shared prefill was computed for another prompt; prefill this prompt first.")
+        missing = [layer for layer in layers if layer not in self.hidden]
+        if missing:
+            raise ValueError(
+                f"the shared prefill lacks the hidden states of layers {missing}; prefill with them."
+            )
+        cache = DynamicCache(config=config)
+        for i, layer in enumerate(self.cache.layers):
+            cache.update(layer.keys, layer.values, i)  # concatenation onto an empty layer: a copy
+        return Prefill(
+            self.ids, cache, self.logits, {layer: self.hidden[layer] for layer in layers}, self.seconds
+        )
+
+
+class CycleState:
+    """What a decoding loop carries from one cycle to the next (batch size 1).
+
+    * ``result``: the output so far and everything counted (a :class:`GenerationResult` or a subclass);
+    * ``committed [1, T + max_new_tokens]``: the prompt and the committed tokens, ``root + 1`` of them so far;
+    * ``hidden``: layer -> ``[1, n, H]``, the target's hidden states of the committed positions that the
+      drafter has not seen yet (handed over by :meth:`draft`);
+    * ``done``: a stop token or ``max_new_tokens`` was reached.
+
+    The *root*, the last committed token, is not in the target's cache yet: it sits at position ``root``.
+    """
+
+    def __init__(self, target, prompt_ids, cfg: DecodeConfig, result_type=GenerationResult):
+        self.target, self.cfg, self.max_context = target, cfg, target.info.max_context
+        self.ids = check_prompt(prompt_ids, self.max_context).to(target.model.device)  # [1, T]
+        self.prompt_len = T = self.ids.shape[1]
+        self.stops = set(stop_tokens(cfg, target.info))
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.result = result_type([], T, "max_new_tokens")
+        self.committed = torch.empty(1, T + cfg.max_new_tokens, dtype=torch.long, device=self.ids.device)
+        self.committed[:, :T] = self.ids
+        self.hidden: dict[int, Tensor] = {}
+        self.done = False
+        self.t0 = time.perf_counter()
+
+    def prefill(self, layers: tuple[int, ...], shared: Prefill | None = None) -> DynamicCache:
+        """Run the prompt (or copy a ``shared`` prefill of it) and commit the target's first token; returns
+        the target's cache, which then holds the prompt."""
+        if shared is not None:
+            pre = shared.copy(self.ids, layers, self.target.model.config)
+        else:
+            pre = Prefill.run(self.target, self.ids, layers)
+        self.result.prefill_s, self.hidden = pre.seconds, pre.hidden
+        self.t0 = time.perf_counter() - pre.seconds
+        self.commit([choose_token(pre.logits, self.cfg, self.gen)])
+        return pre.cache
+
+    @property
+    def root(self) -> int:
+        """The root's position: the number of positions in the target's cache."""
+        return self.prompt_len + len(self.result.token_ids) - 1
+
+    def out_of_context(self) -> bool:
+        """True (and the stop reason set) when the target's context has no room for another position."""
+        if self.root + 1 >= self.max_context:
+            self.result.stop_reason = "context"
+            return True
+        return False
+
+    def cap(self) -> int:
+        """How many drafts this cycle can commit: room in ``max_new_tokens`` and in the context, less the bonus."""
+        P = self.root
+        return min(self.cfg.max_new_tokens - len(self.result.token_ids), self.max_context - P - 1) - 1
+
+    def draft(self, session, view, cap: int, stop_after=None) -> DraftTree:
+        """This cycle's drafts below the root (:func:`draft_cycle`); ``view``'s hidden states count as handed over."""
+        tree = draft_cycle(
+            session, self.cfg, self.committed[:, : self.root + 1], view, cap, self.gen, stop_after
+        )
+        session.end_cycle()
+        self.hidden = {}
+        return tree
+
+    def record(self, tree: DraftTree, path: list[int]) -> None:
+        """Count a drafting cycle: the drafts it accepted and the nodes it verified."""
+        self.result.accepted_per_cycle.append(len(path))
+        self.result.drafted_per_cycle.append(len(tree))
+
+    def keep_hidden(
+        self, hidden_states, layers: tuple[int, ...], keep: list[int], replace: bool = False
+    ) -> None:
+        """Add the target's hidden states of the kept block rows ``keep`` (``hidden_states``: a forward's
+        ``out.hidden_states``) to those the drafter has not seen, or ``replace`` them."""
+        if not layers:
+            return
+        idx = torch.tensor(keep, device=self.ids.device)
+        fresh = {layer: hidden_states[layer + 1].index_select(1, idx) for layer in layers}  # [1, n, H]
+        if self.hidden and not replace:
+            fresh = {layer: torch.cat([self.hidden[layer], fresh[layer]], 1) for layer in layers}
+        self.hidden = fresh
+
+    def commit(self, new: list[int]) -> bool:
+        """Append ``new`` to the output up to and including the first stop token, and to ``committed``;
+        returns (and keeps in ``done``) whether generation has ended."""
+        result, start = self.result, self.prompt_len + len(self.result.token_ids)
+        for t in new:
+            result.token_ids.append(t)
+            if t in self.stops:
+                result.stop_reason, self.done = "stop_token", True
+                break
+            if len(result.token_ids) >= self.cfg.max_new_tokens:
+                result.stop_reason, self.done = "max_new_tokens", True
+                break
+        n_in = self.prompt_len + len(result.token_ids) - start  # the tokens that made it into the output
+        self.committed[0, start : start + n_in] = torch.tensor(new[:n_in], device=self.ids.device)
+        return self.done
+
+    def roll_back(self, position: int) -> None:
+        """Forget the output from ``position`` on (strict SpecPV); the next commit writes there."""
+        del self.result.token_ids[position - self.prompt_len :]
+        self.result.stop_reason, self.done = "max_new_tokens", False
+
+    def finish(self) -> GenerationResult:
+        self.result.total_s = time.perf_counter() - self.t0
+        return self.result
+
+
+def draft_cycle(
+    session, cfg: DecodeConfig, committed: Tensor, view, cap: int, gen, stop_after=None
+) -> DraftTree:
+    """One cycle's drafts: a chain or a dynamic tree of at most ``cap`` tokens below the root ``committed[-1]``.
+    ``stop_after(step, token)``: a chain stops drafting when it returns True (the greedy replay's shortcut)."""
+    if cfg.mode == "chain":
+        depth = min(cfg.chain_depth, cap)
+        return draft_chain(
+            session, committed, view, depth, cfg.temperature, cfg.top_k, cfg.top_p, gen, stop_after
+        )
+    return draft_dynamic_tree(
+        session,
+        committed,
+        view,
+        min(cfg.tree_depth, cap),
+        cfg.tree_top_k,
+        cfg.tree_budget,
+        cfg.temperature,
+        cfg.top_k,
+        cfg.top_p,
+    )

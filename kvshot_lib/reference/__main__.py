@@ -1,0 +1,69 @@
+"""``python -m kvshot_lib.reference``: the reference run on this machine (:func:`~.run.run_reference`).
+
+    python -m kvshot_lib.reference --device cuda                         # regenerate, train every row, evaluate
+    python -m kvshot_lib.reference --steps train --rows hidden-ttt,kv2-ttt --device cuda
+    python -m kvshot_lib.reference --smoke --device cpu                  # the whole path on a tiny target, minutes
+    python -m kvshot_lib.reference --steps train --set train_steps=2000  # a TrainConfig override for every row
+
+Arguments are checked before anything is loaded: an unknown profile, step or row, CUDA asked for but absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from .plan import PlanError, load_plan
+from .run import STEPS, run_reference
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvshot_lib.reference", description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="reference", help="a profile with a 'reference' section")
+    ap.add_argument("--smoke", action="store_true", help="the profile's smoke overrides (tiny target, CPU)")
+    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {','.join(STEPS)}")
+    ap.add_argument(
+        "--rows", default=None, help="comma-separated rows (default: every row; eval: the plan's)"
+    )
+    ap.add_argument("--device", default=None, help="default: the profile's")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a TrainConfig override")
+    ap.add_argument(
+        "--root", default=None, help="where runs/ and figures/ are written (default: this checkout)"
+    )
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = ap.parse_args(argv)
+    try:
+        plan = load_plan(args.profile, smoke=args.smoke)
+        steps = [s for s in args.steps.split(",") if s]
+        rows = [plan.row(r).name for r in args.rows.split(",")] if args.rows else None
+        if any(s not in STEPS for s in steps):
+            raise PlanError(f"--steps takes {list(STEPS)}, got {steps}.")
+        overrides = {}
+        for item in args.set:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise PlanError(f"--set takes KEY=VALUE, got {item!r}.")
+            overrides[key] = yaml.safe_load(value)
+        if rows or overrides:
+            for r in rows or plan.rows:
+                plan.row(r).train_config(**overrides)  # a bad override fails here, not after hours
+    except (PlanError, ValueError) as e:
+        sys.exit(f"python -m kvshot_lib.reference: {e}")
+    device = args.device or plan.device
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit(
+            f"python -m kvshot_lib.reference: device {device!r} asked for, but CUDA is not available here."
+        )
+    root = {"root": Path(args.root)} if args.root else {}
+    record = run_reference(plan, device, steps, rows, progress=not args.quiet, **root, **overrides)
+    print(record)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
