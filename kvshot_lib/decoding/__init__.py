@@ -5,8 +5,10 @@
   rejection-sampling rule (:mod:`.sampling`);
 * :mod:`.cycle` holds what every loop shares: a :class:`Prefill` of the prompt, then *cycles* (draft, verify,
   commit) carried by a :class:`CycleState`; :mod:`.engine` verifies and runs the plain and speculative loops;
-* :mod:`.tree` drafts one cycle through a drafter's session; :mod:`.kernels` holds the small-batch matmul
-  that makes verifying a block cheap on a CPU;
+* :mod:`.tree` drafts one cycle through a drafter's session in a fixed shape; :mod:`.proposal` drafts it in a
+  shape chosen by expected speed (:mod:`.shapes`: accepted tokens per second from online acceptance estimates and
+  :mod:`.cost_model`'s measured costs, with an early stop), and joins prompt lookup's continuation to it;
+  :mod:`.kernels` holds the small-batch matmul that makes a decoding step and a verified block cheap on a CPU;
 * :mod:`.specpv` verifies against a partial KV cache (:mod:`.partial_kv`: sinks, retrieved blocks, a
   window, a buffer) with a full pass once ``full_every`` tokens are pending (SpecPV), in one of two
   *variants*: ``specpv`` (the paper's) or ``strict`` (lossless); ``generate(..., partial=SpecPVConfig(...))``.
@@ -15,8 +17,17 @@ It hands :class:`GenerationResult` objects (tokens, accepted tokens per cycle, p
 evaluation.
 """
 
+from .cost_model import (
+    CostModel,
+    DrafterCost,
+    TimedSession,
+    cost_model,
+    measure_drafter,
+    measure_verification,
+)
 from .cycle import (
     MODES,
+    SHAPES,
     CycleState,
     DecodeConfig,
     GenerationResult,
@@ -43,6 +54,7 @@ from .partial_kv import (
     layout,
     selected_positions,
 )
+from .proposal import add_lookup, chosen_chain, chosen_tree, lookup_chain, select_by_value
 from .sampling import (
     accept_draft_tokens,
     check_sampling_args,
@@ -51,11 +63,39 @@ from .sampling import (
     residual_probs,
     sample,
 )
+from .shapes import (
+    AcceptanceModel,
+    SpeedModel,
+    best_chain_length,
+    best_expansion,
+    best_size,
+    chain_values,
+    expected_tokens,
+)
 from .specpv import VARIANTS, SpecPVConfig, SpecPVResult, specpv_generate
 from .tree import DraftTree, draft_chain, draft_dynamic_tree
 
 __all__ = [
+    "AcceptanceModel",
     "BlockSummaries",
+    "CostModel",
+    "DrafterCost",
+    "SHAPES",
+    "SpeedModel",
+    "TimedSession",
+    "add_lookup",
+    "best_chain_length",
+    "best_expansion",
+    "best_size",
+    "chain_values",
+    "chosen_chain",
+    "chosen_tree",
+    "cost_model",
+    "expected_tokens",
+    "lookup_chain",
+    "measure_drafter",
+    "measure_verification",
+    "select_by_value",
     "CycleState",
     "DecodeConfig",
     "DraftTree",

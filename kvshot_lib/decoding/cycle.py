@@ -21,16 +21,26 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from ..drafters.baselines import NgramDrafter
+from .proposal import add_lookup, chosen_chain, chosen_tree, lookup_chain, select_by_value
 from .sampling import check_sampling_args, logits_to_probs, sample
+from .shapes import SpeedModel
 from .tree import DraftTree, draft_chain, draft_dynamic_tree
 
 MODES = ("ar", "chain", "tree")
+SHAPES = ("fixed", "chosen")
 
 
 @dataclass
 class DecodeConfig:
     """How to decode. ``chain_depth`` is k, the number of drafted tokens per chain cycle; the tree has
-    ``tree_depth`` levels, ``tree_top_k`` children per expanded node and ``tree_budget`` nodes."""
+    ``tree_depth`` levels, ``tree_top_k`` children per expanded node and ``tree_budget`` nodes.
+
+    ``shape="chosen"`` drafts by expected speed (:mod:`.proposal`, :mod:`.shapes`): the fixed sizes become caps,
+    drafting stops when the next node is not worth its cost, and the verified nodes are those that maximize
+    expected tokens per second under ``speed`` (a :class:`~.shapes.SpeedModel`: the measured cost model and the
+    acceptance estimates, shared by the generations that pass it). ``lookup=True`` adds prompt lookup's
+    continuation (up to ``lookup_tokens``) to every cycle's proposal, verified in the same forward."""
 
     mode: str = "chain"
     max_new_tokens: int = 128
@@ -43,13 +53,31 @@ class DecodeConfig:
     tree_budget: int = 24
     stop_token_ids: tuple[int, ...] | None = None  # None: the target's EOS ids
     seed: int = 0
-    small_batch_kernel: bool = True  # CPU: a faster matmul for 2-8-token blocks (kvshot_lib.decoding.kernels)
+    small_batch_kernel: bool = True  # CPU: a faster matmul for 1-8-token blocks (kvshot_lib.decoding.kernels)
+    shape: str = "fixed"  # "fixed" | "chosen" (by expected tokens per second; needs speed)
+    lookup: bool = False  # prompt lookup joins the drafter's proposal
+    lookup_tokens: int = 8
+    speed: SpeedModel | None = field(default=None, repr=False, compare=False)
 
     def validate(self) -> DecodeConfig:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
+        if self.shape not in SHAPES:
+            raise ValueError(f"shape must be one of {SHAPES}, got {self.shape!r}.")
+        if self.shape == "chosen" and self.speed is None:
+            raise ValueError(
+                "shape='chosen' needs speed=SpeedModel(cost_model(target, {name: drafter}), name): the measured "
+                "costs and the acceptance estimates it chooses by."
+            )
         check_sampling_args(self.temperature, self.top_k, self.top_p)
-        for name in ("max_new_tokens", "chain_depth", "tree_depth", "tree_top_k", "tree_budget"):
+        for name in (
+            "max_new_tokens",
+            "chain_depth",
+            "tree_depth",
+            "tree_top_k",
+            "tree_budget",
+            "lookup_tokens",
+        ):
             value = getattr(self, name)
             if (
                 not isinstance(value, int)
@@ -73,7 +101,8 @@ class GenerationResult:
     step_accepts: list[int] = field(default_factory=list)  # [k] ... and accepted it
     prefill_s: float = 0.0
     draft_s: float = 0.0
-    verify_s: float = 0.0
+    verify_s: float = 0.0  # the target's forward and the acceptance rule
+    commit_s: float = 0.0  # the cache moved into place, hidden states kept, tokens appended
     total_s: float = 0.0
 
     @property
@@ -200,6 +229,7 @@ class CycleState:
         self.committed[:, :T] = self.ids
         self.hidden: dict[int, Tensor] = {}
         self.done = False
+        self.lookup = NgramDrafter(target.info.vocab_size).new_session() if cfg.lookup else None
         self.t0 = time.perf_counter()
 
     def prefill(self, layers: tuple[int, ...], shared: Prefill | None = None) -> DynamicCache:
@@ -234,7 +264,14 @@ class CycleState:
     def draft(self, session, view, cap: int, stop_after=None) -> DraftTree:
         """This cycle's drafts below the root (:func:`draft_cycle`); ``view``'s hidden states count as handed over."""
         tree = draft_cycle(
-            session, self.cfg, self.committed[:, : self.root + 1], view, cap, self.gen, stop_after
+            session,
+            self.cfg,
+            self.committed[:, : self.root + 1],
+            view,
+            cap,
+            self.gen,
+            stop_after,
+            self.lookup,
         )
         session.end_cycle()
         self.hidden = {}
@@ -285,23 +322,36 @@ class CycleState:
 
 
 def draft_cycle(
-    session, cfg: DecodeConfig, committed: Tensor, view, cap: int, gen, stop_after=None
+    session, cfg: DecodeConfig, committed: Tensor, view, cap: int, gen, stop_after=None, lookup=None
 ) -> DraftTree:
-    """One cycle's drafts: a chain or a dynamic tree of at most ``cap`` tokens below the root ``committed[-1]``.
-    ``stop_after(step, token)``: a chain stops drafting when it returns True (the greedy replay's shortcut)."""
+    """One cycle's drafts: a chain or a dynamic tree of at most ``cap`` tokens below the root ``committed[-1]``,
+    of fixed size or chosen by expected speed (``cfg.shape``), with prompt lookup's continuation merged in when
+    ``lookup`` (an n-gram session) is given. ``stop_after(step, token)``: a fixed chain stops drafting when it
+    returns True (the greedy replay's shortcut)."""
+    T, k, p = cfg.temperature, cfg.top_k, cfg.top_p
+    if cfg.shape == "chosen":
+        if cfg.mode == "chain":
+            tree, spent = chosen_chain(
+                session, committed, view, min(cfg.chain_depth, cap), cfg.speed, T, k, p, gen
+            )
+        else:
+            tree, spent = chosen_tree(
+                session, committed, view, min(cfg.tree_depth, cap), cfg.tree_top_k, cfg.speed, T, k, p
+            )
+        if lookup is not None:
+            tree = add_lookup(tree, *lookup_chain(lookup, committed, min(cfg.lookup_tokens, cap)), cfg.speed)
+        elif cfg.mode == "chain" and T > 0:
+            return (
+                tree  # a sampled chain keeps its drafts: a cut by their own confidences would bias the rule
+            )
+        budget = cfg.chain_depth if cfg.mode == "chain" and lookup is None else cfg.tree_budget
+        return select_by_value(tree, spent, cfg.speed, budget)
     if cfg.mode == "chain":
         depth = min(cfg.chain_depth, cap)
-        return draft_chain(
-            session, committed, view, depth, cfg.temperature, cfg.top_k, cfg.top_p, gen, stop_after
-        )
-    return draft_dynamic_tree(
-        session,
-        committed,
-        view,
-        min(cfg.tree_depth, cap),
-        cfg.tree_top_k,
-        cfg.tree_budget,
-        cfg.temperature,
-        cfg.top_k,
-        cfg.top_p,
-    )
+        tree = draft_chain(session, committed, view, depth, T, k, p, gen, stop_after)
+    else:
+        depth = min(cfg.tree_depth, cap)
+        tree = draft_dynamic_tree(session, committed, view, depth, cfg.tree_top_k, cfg.tree_budget, T, k, p)
+    if lookup is not None:
+        tree = add_lookup(tree, *lookup_chain(lookup, committed, min(cfg.lookup_tokens, cap)), None)
+    return tree

@@ -16,7 +16,10 @@ One *cycle* of speculative decoding (batch size 1):
    holds exactly the committed tokens; stop tokens end generation at that token.
 
 Every cycle records the accepted drafts and, for each draft step, whether it was attempted and
-accepted (:class:`GenerationResult`); wall time is split into prefill, draft and verify.
+accepted (:class:`GenerationResult`); wall time is split into prefill, draft, verify (the forward and the
+acceptance rule) and commit. A chain is verified with the model's own causal mask, a tree with an explicit one.
+With shapes chosen by expected speed, every verified tree also teaches the acceptance estimates
+(:meth:`~.shapes.AcceptanceModel.observe`).
 
 The loops carry a :class:`~.cycle.CycleState` from cycle to cycle (:mod:`.cycle`: the prefill, the output
 so far, drafting, committing); this module holds verification (:func:`verify_tree`) and the two loops, plain
@@ -113,11 +116,12 @@ def autoregressive_generate(
         return state.result
     cache = state.prefill((), prefill)
     tok = torch.empty(1, 1, dtype=torch.long, device=model.device)
-    while not state.done and not state.out_of_context():
-        tok[0, 0] = state.result.token_ids[-1]
-        pos = torch.tensor([[state.root]], device=model.device)
-        out = model(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos)
-        state.commit([choose_token(out.logits[0, -1], cfg, state.gen)])
+    with small_batch_linear(model, enabled=cfg.small_batch_kernel):  # the same kernels as verification
+        while not state.done and not state.out_of_context():
+            tok[0, 0] = state.result.token_ids[-1]
+            pos = torch.tensor([[state.root]], device=model.device)
+            out = model(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos)
+            state.commit([choose_token(out.logits[0, -1], cfg, state.gen)])
     result = state.finish()
     result.verify_s = result.total_s - result.prefill_s
     return result
@@ -162,9 +166,8 @@ def _speculative(target, drafter, prompt_ids, cfg: DecodeConfig, on_cycle, prefi
         t_verify = time.perf_counter()
         block = torch.tensor([[result.token_ids[-1], *tree.tokens]], device=dev)  # [1, N+1]
         positions = torch.tensor([[P, *(P + 1 + d for d in tree.depths)]], device=dev)  # [1, N+1]
-        mask = (
-            tree_attention_mask(ancestor_matrix(tree.parents), P, mask_dtype, dev) if len(tree) > 1 else None
-        )
+        chain = tree.is_chain()  # the model's causal mask serves a chain
+        mask = None if chain else tree_attention_mask(ancestor_matrix(tree.parents), P, mask_dtype, dev)
         out = model(
             input_ids=block,
             past_key_values=cache,
@@ -174,14 +177,18 @@ def _speculative(target, drafter, prompt_ids, cfg: DecodeConfig, on_cycle, prefi
             output_hidden_states=bool(layers),
         )
         path, bonus = verify_tree(tree, out.logits[0], cfg, state.gen, session.d2t, result)
+        t_commit = time.perf_counter()
         keep = [0, *(i + 1 for i in path)]
         keep_block_positions(cache, P, keep)
         state.keep_hidden(out.hidden_states, layers, keep)
         if cap > 0:
             state.record(tree, path)
+        if cfg.speed is not None:
+            cfg.speed.acceptance.observe(tree, path)
         done = state.commit([*(tree.tokens[i] for i in path), bonus])
         result.draft_s += t_verify - t_draft
-        result.verify_s += time.perf_counter() - t_verify
+        result.verify_s += t_commit - t_verify
+        result.commit_s += time.perf_counter() - t_commit
         if on_cycle is not None and not done:
             on_cycle(state.committed[:, : P + 1 + len(path)].clone(), cache)
     return state.finish()

@@ -1,4 +1,4 @@
-"""A faster ``nn.Linear`` for the 2-8 rows of a verification block, where the CPU's BLAS is slow.
+"""A faster ``nn.Linear`` for the 1-8 rows of a decoding step or a verification block, where the CPU's BLAS is slow.
 
 Verifying k drafted tokens runs every linear layer on a ``[k+1, in]`` input. On the AMD EPYC of the
 development machine (one thread), MKL's sgemm for ``x @ W.T`` with 2-5 rows costs 1.4-3.4x the
@@ -6,7 +6,9 @@ single-row gemv; the same product computed as ``(W @ x.T).T`` costs 1.1-1.6x for
 weight shapes, and some row counts are cheaper than smaller ones (4 rows beat 3). Which way wins
 depends on the machine, the weight shape and the row count, so :func:`linear_plan` times both
 kernels once per (shape, dtype) for 1-8 rows and picks, for each row count, the fastest
-(kernel, padded row count) pair: e.g. 3 rows may run as 4 with a zero row. :func:`small_batch_linear`
+(kernel, padded row count) pair: e.g. 3 rows may run as 4 with a zero row. In bf16 on an AVX512-BF16 CPU the
+one-row product (gemv) of some shapes is several times slower than two rows, so plain decoding pads its single
+row too: the baseline of every speedup gets the same kernels as verification. :func:`small_batch_linear`
 patches each ``nn.Linear`` of a model to follow that plan. Results differ from ``F.linear`` only in
 floating-point summation order. CPU only; a no-op elsewhere. Patches are removed in ``finally``.
 Plans (about 5 s to measure for SmolLM2's five shapes) are cached on disk per CPU model, torch
@@ -42,12 +44,12 @@ def _median_time(fn, reps: int) -> float:
 
 @torch.inference_mode()
 def linear_plan(weight: torch.Tensor, reps: int = 5) -> Plan:
-    """For each row count 2..8 where it pays: (rows to pad to, transposed product?) for this weight's shape.
+    """For each row count 1..8 where it pays: (rows to pad to, transposed product?) for this weight's shape.
 
     Timed on enough distinct copies of the weight (64 MB) that, as in a real forward, they stream from
     memory rather than sit in cache."""
     key = (weight.shape[0], weight.shape[1], weight.dtype)
-    disk_key = f"{_cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{key}"
+    disk_key = f"{_cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads|rows 1-8|{key}"
     cached = _disk().get(disk_key)
     if key not in _PLANS and isinstance(cached, dict):
         _PLANS[key] = {int(m): (int(p), bool(t)) for m, (p, t) in cached.items()}
@@ -56,12 +58,12 @@ def linear_plan(weight: torch.Tensor, reps: int = 5) -> Plan:
         copies = max(1, -(-16_000_000 // weight.numel()))
         ws = [torch.randn(weight.shape, generator=g, dtype=weight.dtype) for _ in range(copies)]  # [out, in]
         times = {}  # (rows, transposed) -> seconds
-        for m in range(2, MAX_ROWS + 1):
+        for m in range(1, MAX_ROWS + 1):
             x = torch.randn(m, weight.shape[1], generator=g, dtype=weight.dtype)  # [m, in]
             times[m, False] = _median_time(lambda x=x: [F.linear(x, w) for w in ws], reps)
             times[m, True] = _median_time(lambda x=x: [(w @ x.T).T.contiguous() for w in ws], reps)
         plan = {}
-        for m in range(2, MAX_ROWS + 1):
+        for m in range(1, MAX_ROWS + 1):
             best = min(((p, t) for p in range(m, MAX_ROWS + 1) for t in (False, True)), key=times.get)
             if best != (m, False) and times[best] < MARGIN * times[m, False]:
                 plan[m] = best
@@ -116,7 +118,7 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def small_batch_linear(*modules: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
-    """Within the block, every CPU ``nn.Linear`` of ``modules`` uses the faster kernel for 2-8 rows."""
+    """Within the block, every CPU ``nn.Linear`` of ``modules`` uses the faster kernel for 1-8 rows."""
     patched = []
     try:
         if enabled:

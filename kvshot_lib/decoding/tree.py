@@ -33,13 +33,18 @@ class DraftTree:
 
     tokens[i]: target id; parents[i]: index of the parent node or -1 for the root; depths[i]: 0 for the
     root's children. For a chain sampled at temperature > 0, ``q[i]`` is the draft distribution (over the
-    draft vocabulary) that token i was sampled from.
+    draft vocabulary) that token i was sampled from. Shapes chosen by expected speed (:mod:`.proposal`) also
+    keep each node's drafting confidence, its source (``drafter`` or ``lookup``) and its value (the estimated
+    probability that it is accepted, :mod:`.shapes`).
     """
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
     q: list[Tensor] = field(default_factory=list)
+    confs: list[float] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -53,6 +58,35 @@ class DraftTree:
 
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def add(self, token: int, parent: int, depth: int, conf: float, source: str, value: float) -> int:
+        """Append a node (its parent already in the tree); returns its index."""
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(depth)
+        self.confs.append(conf)
+        self.sources.append(source)
+        self.values.append(value)
+        return len(self.tokens) - 1
+
+    def subset(self, keep: list[int]) -> DraftTree:
+        """The nodes ``keep`` (which hold every kept node's parent), parents first, reindexed; ``q`` is kept only
+        for a prefix of a chain."""
+        keep = sorted(keep, key=lambda i: (self.depths[i], i))
+        index = {old: new for new, old in enumerate(keep)}
+        out = DraftTree()
+        for i in keep:
+            out.add(
+                self.tokens[i],
+                -1 if self.parents[i] < 0 else index[self.parents[i]],
+                self.depths[i],
+                self.confs[i] if self.confs else 1.0,
+                self.sources[i] if self.sources else "drafter",
+                self.values[i] if self.values else 1.0,
+            )
+        if self.q and keep == list(range(len(keep))):
+            out.q = self.q[: len(keep)]
+        return out
 
 
 def _to_target(ids: Tensor, d2t: Tensor | None) -> Tensor:

@@ -6,7 +6,8 @@ drafting of a whole block in one forward, with its session in ``block_session.py
 * :func:`load_drafter` (checkpoint folder, target) -> a drafter that is also a ``SessionFactory``;
 * :func:`build_drafter` / :func:`drafter_config_for` make a fresh one; :func:`save_drafter` writes one;
 * :mod:`.baselines`: drafters that need no training (n-gram prompt lookup, the target itself, early exit,
-  random), and :func:`resolve_drafter` / :func:`drafters_for_run` that turn names and folders into drafters.
+  random), and :func:`resolve_drafter` / :func:`drafters_for_run` that turn names and folders into drafters;
+  :func:`drafter_for_target` binds one to another copy of its target (bf16 decoding).
 
 It hands drafter modules to training and drafter sessions (``start_cycle`` / ``expand``) to decoding.
 """
@@ -19,11 +20,12 @@ from .baselines import (
     NgramDrafter,
     RandomDrafter,
     SelfDrafter,
+    drafter_for_target,
     drafters_for_run,
     is_baseline_name,
     resolve_drafter,
 )
-from .checkpoint import build_drafter, load_drafter, read_config, save_drafter
+from .checkpoint import build_drafter, load_drafter, read_config, rebind_drafter, save_drafter
 from .config import (
     KV_MODES,
     PARADIGMS,
@@ -67,10 +69,12 @@ __all__ = [
     "coverage",
     "draft_vocab_from_counts",
     "drafter_config_for",
+    "drafter_for_target",
     "drafters_for_run",
     "is_baseline_name",
     "load_drafter",
     "read_config",
+    "rebind_drafter",
     "resolve_drafter",
     "save_drafter",
     "segmented_attention",

@@ -256,9 +256,10 @@ class NgramDrafter:
         return NgramDraftSession(self.vocab_size, self.max_n, self.min_n)
 
 
-def resolve_drafter(spec: str, target, seed: int = 0):
+def resolve_drafter(spec: str, target, seed: int = 0, dtype: torch.dtype | None = None):
     """A drafter by name (``self``, ``ngram``, ``random``, ``early-exit-<n>``, ``none`` -> None) or by the path
-    of a trained drafter's checkpoint folder (loaded with ``kvshot_lib.drafters.load_drafter``)."""
+    of a trained drafter's checkpoint folder (loaded with ``kvshot_lib.drafters.load_drafter``, its weights cast
+    to ``dtype`` when given: bf16 decoding runs the drafter in bf16 too)."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"drafter must be a non-empty string, got {spec!r}.")
     vocab = target.info.vocab_size
@@ -284,12 +285,28 @@ def resolve_drafter(spec: str, target, seed: int = 0):
         )
     from .checkpoint import load_drafter  # here: checkpoint -> the paradigms -> session
 
-    return load_drafter(str(path), target)
+    return load_drafter(str(path), target, dtype)
 
 
-def drafters_for_run(run_dir: str | Path, target, baselines=BASELINES, seed: int = 0) -> tuple[dict, str]:
+def drafter_for_target(drafter, target, dtype: torch.dtype | None = None):
+    """``drafter`` bound to ``target`` (another copy of the target it was made for, e.g. cast to bf16 for
+    decoding), trained weights in ``dtype`` when given; a drafter that reads no target comes back as it is."""
+    if isinstance(drafter, SelfDrafter):
+        return SelfDrafter(target, drafter.noise, drafter.seed)
+    if isinstance(drafter, EarlyExitDrafter):
+        return EarlyExitDrafter(target, drafter.n_layers)
+    if isinstance(drafter, (NgramDrafter, RandomDrafter)) or drafter is None:
+        return drafter
+    from .checkpoint import rebind_drafter  # here: checkpoint -> the paradigms -> session
+
+    return rebind_drafter(drafter, target, dtype)
+
+
+def drafters_for_run(
+    run_dir: str | Path, target, baselines=BASELINES, seed: int = 0, dtype: torch.dtype | None = None
+) -> tuple[dict, str]:
     """The baseline drafters named in ``baselines`` plus every trained checkpoint under ``<run_dir>/drafters/``
-    (labelled by folder name), and a one-line note saying what was found."""
+    (labelled by folder name, weights in ``dtype`` when given), and a one-line note saying what was found."""
     unknown = [b for b in baselines if not is_baseline_name(b)]
     if unknown:
         raise ValueError(f"Unknown baseline drafters {unknown}; use any of {BASELINES} or early-exit-<n>.")
@@ -300,7 +317,7 @@ def drafters_for_run(run_dir: str | Path, target, baselines=BASELINES, seed: int
     for folder in folders:
         if not (folder / "config.json").is_file():
             continue  # an unfinished or foreign folder
-        trained[folder.name] = resolve_drafter(str(folder), target, seed)
+        trained[folder.name] = resolve_drafter(str(folder), target, seed, dtype)
     if trained:
         note = f"{len(trained)} trained drafters from {root}: {', '.join(trained)}; baselines: {', '.join(baselines)}."
     else:

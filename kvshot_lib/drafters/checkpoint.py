@@ -90,8 +90,9 @@ def read_config(path: str | Path) -> DrafterConfig:
     return DrafterConfig.from_dict(raw)
 
 
-def load_drafter(path: str | Path, target):
-    """Load a drafter checkpoint for ``target``; raises a clear error on a wrong target or a bad checkpoint."""
+def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None):
+    """Load a drafter checkpoint for ``target``; raises a clear error on a wrong target or a bad checkpoint.
+    ``dtype`` (e.g. ``torch.bfloat16`` for bf16 decoding) casts its weights and draft head after loading."""
     path = Path(path)
     cfg = read_config(path)
     cfg.check_target(target.info, where=f"the drafter at {path}")
@@ -125,4 +126,20 @@ def load_drafter(path: str | Path, target):
             f"{missing_or_unexpected.missing_keys}, unexpected {missing_or_unexpected.unexpected_keys}."
         )
     drafter.eval()
-    return drafter
+    return drafter if dtype is None else drafter.to(dtype)
+
+
+def rebind_drafter(drafter, target, dtype: torch.dtype | None = None):
+    """The same trained drafter bound to another copy of its target (e.g. the target cast to bf16 for decoding):
+    a fresh drafter of the same config over ``target``'s embedding, rotary table and LM-head rows, with
+    ``drafter``'s learned weights, cast to ``dtype`` when given."""
+    fresh = drafter_class(drafter.cfg.paradigm)(drafter.cfg, target, drafter.d2t.cpu())
+    fresh = fresh.to(target.model.model.embed_tokens.weight.device)
+    state = {k: v for k, v in drafter.state_dict().items() if k != "target_probe"}
+    result = fresh.load_state_dict(state, strict=False)
+    if result.missing_keys != ["target_probe"] or result.unexpected_keys:
+        raise DrafterConfigError(
+            f"rebinding drafter {drafter.name!r}: missing {result.missing_keys}, unexpected {result.unexpected_keys}."
+        )
+    fresh.eval()
+    return fresh if dtype is None else fresh.to(dtype)

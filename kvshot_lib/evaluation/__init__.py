@@ -3,7 +3,9 @@
 * :mod:`.metrics` defines α_k (conditional), the reach probability, MAT and retention once;
 * :mod:`.acceptance` decodes MT-bench with every drafter (an exact greedy replay at temperature 0, the
   engine otherwise) and tabulates acceptance by step;
-* :mod:`.speedup` times plain, speculative and Hugging Face decoding in one run on one machine;
+* :mod:`.speedup` times plain, speculative (fixed and chosen shapes, prompt lookup joined in) and Hugging Face
+  decoding in one run on one machine, in float32 and bf16, repeated and interleaved; :mod:`.speed_table`
+  summarizes it (median and range, phases, the MAT 1.5x needs) and finds where bf16 outputs diverge;
 * SpecPV at long context: :mod:`.specpv_fidelity` (exact match, divergence, top-1 agreement, KL, hidden
   cosine by distance, ROUGE-L against lossless decoding), :mod:`.specpv_speed` (decode tokens/s, phase
   times, MAT by verification kind, in one run) and :mod:`.specpv_cost` (the fitted cost model, crossover);
@@ -14,7 +16,7 @@
 It hands result tables (one row per drafter, mode, step or method) to the plots.
 """
 
-from . import metrics, specpv_cost, specpv_fidelity, specpv_speed
+from . import metrics, specpv_cost, specpv_fidelity, specpv_speed, speed_table
 from .acceptance import (
     AcceptanceRun,
     Reference,
@@ -38,14 +40,17 @@ from .learning_curves import (
     gap_trends,
 )
 from .specpv_fidelity import FidelityProbe, rouge_l, shadow_full
+from .speed_table import divergences, machine_info, machine_name, runs_table, speedup_table
 from .speedup import (
+    CHOSEN_METHODS,
+    FIXED_METHODS,
     HF_METHODS,
     METHODS,
-    machine_info,
-    machine_name,
+    Method,
+    Setup,
+    precision_setups,
     run_benchmark,
     run_mtbench_benchmark,
-    speedup_table,
 )
 
 __all__ = [
@@ -58,9 +63,17 @@ __all__ = [
     "gap_trend",
     "gap_trends",
     "AcceptanceRun",
+    "CHOSEN_METHODS",
+    "FIXED_METHODS",
     "FidelityProbe",
     "HF_METHODS",
     "METHODS",
+    "Method",
+    "Setup",
+    "divergences",
+    "precision_setups",
+    "runs_table",
+    "speed_table",
     "Reference",
     "acceptance_summary",
     "acceptance_table",

@@ -1,6 +1,17 @@
-"""``kvshot bench``: tokens/s of plain, chain, tree and HF decoding on MT-bench prompts, outside the notebooks.
+"""``kvshot bench``: tokens/s of plain, speculative and HF decoding on MT-bench prompts, outside the notebooks.
 
-    kvshot bench --drafters ngram self --n-questions 4 --max-new-tokens 64 --out benchmarks/results/cli.csv
+    kvshot bench --drafters ngram runs/default/drafters/hidden-ttt --n-questions 10 --max-new-tokens 128 \\
+        --precisions fp32 bf16 --repeats 3 --threads 1 --out benchmarks/results/bench.json
+
+For every precision (``fp32`` is the exact reference; ``bf16`` runs the target and the drafters in bf16 where the
+CPU has it; ``auto`` is bf16 where available) it reports tokens/s, the speedup over plain decoding in the same
+precision and run, MAT, the time per phase (draft, verify, commit per cycle), the exact-match rate against plain
+decoding, and the MAT that 1.5x would need; with ``--repeats`` the whole table runs that many times, interleaved,
+and each figure is the median with its min-max range. Methods: ``ar``, ``chain``/``tree`` (fixed shapes),
+``chain_chosen``/``tree_chosen`` (shapes chosen by expected speed under the measured cost model), ``combined``
+(a chosen tree with prompt lookup in the same proposal), ``hf_generate``, ``hf_prompt_lookup``. A ``.json``
+``--out`` also holds every repetition's rows, the divergences of greedy outputs with their top-2 logit margins,
+the cost models and the machine.
 
 It takes the same decoding arguments as ``kvshot generate``, checked before the target is loaded.
 """
@@ -8,11 +19,29 @@ It takes the same decoding arguments as ``kvshot generate``, checked before the 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from ..decoding.cli import check_drafter_spec, decode_args, decode_config, load_cli_target
 from ..drafters import resolve_drafter
-from . import speedup
+from ..target import DECODE_PRECISIONS
+from . import speed_table, speedup
+
+COLUMNS = [
+    "method",
+    "drafter",
+    "precision",
+    "tokens_per_s",
+    "speedup_vs_ar",
+    "speedup_min",
+    "speedup_max",
+    "mat",
+    "exact_match_vs_ar",
+    "draft_ms_per_cycle",
+    "verify_ms_per_cycle",
+    "commit_ms_per_cycle",
+    "mat_for_1_5x",
+]
 
 
 def add_cli(sub) -> None:
@@ -21,11 +50,19 @@ def add_cli(sub) -> None:
     )
     decode_args(b)
     b.add_argument("--drafters", nargs="+", default=["ngram"], help="names or checkpoint folders")
-    b.add_argument("--methods", nargs="+", default=["ar", "chain", "tree", "hf_generate", "hf_prompt_lookup"])
+    b.add_argument("--methods", nargs="+", default=list(speedup.METHODS), help=f"of {speedup.METHODS}")
     b.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
     b.add_argument("--n-questions", type=int, default=4, help="MT-bench questions")
     b.add_argument("--turns", type=int, default=2, choices=(1, 2), help="1: first turns only; 2: both")
-    b.add_argument("--out", default=None, help="write the table here (.csv or .json)")
+    b.add_argument(
+        "--precisions",
+        nargs="+",
+        default=["fp32", "auto"],
+        choices=DECODE_PRECISIONS,
+        help="fp32 (exact reference), bf16, auto (bf16 where the CPU has it); each with its own plain decoding",
+    )
+    b.add_argument("--repeats", type=int, default=1, help="run the whole table this many times, interleaved")
+    b.add_argument("--out", default=None, help="write the table here (.csv, or .json with everything)")
     b.set_defaults(func=_cli_bench)
 
 
@@ -34,6 +71,8 @@ def _cli_bench(args) -> int:
         check_drafter_spec(spec)
     if not 1 <= args.n_questions <= 80:
         raise SystemExit("kvshot: --n-questions must be in 1..80.")
+    if args.repeats < 1:
+        raise SystemExit(f"kvshot: --repeats must be >= 1, got {args.repeats}.")
     base = decode_config(args, "chain")
     for t in args.temperatures:
         decode_config(argparse.Namespace(**{**vars(args), "temperature": t}), "chain")
@@ -41,7 +80,8 @@ def _cli_bench(args) -> int:
     if bad:
         raise SystemExit(f"kvshot: unknown methods {bad}; choose from {speedup.METHODS}.")
     target = load_cli_target(args)
-    drafters = {spec: resolve_drafter(spec, target, args.seed) for spec in args.drafters}
+    drafters = {_label(spec): resolve_drafter(spec, target, args.seed) for spec in args.drafters}
+    setups = speedup.precision_setups(target, drafters, args.precisions)
     plan = speedup.run_mtbench_benchmark(
         target,
         drafters,
@@ -50,30 +90,48 @@ def _cli_bench(args) -> int:
         methods=args.methods,
         temperatures=args.temperatures,
         base=base,
+        setups=setups,
+        repeats=args.repeats,
     )
-    table = speedup.speedup_table(plan)
+    machine = speedup.machine_info()
+    table = speedup.speedup_table(plan, speedup.machine_name(machine))
     import pandas as pd
 
-    with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(
-            table[
-                [
-                    "method",
-                    "drafter",
-                    "temperature",
-                    "tokens_per_s",
-                    "speedup_vs_ar",
-                    "mat",
-                    "exact_match_vs_ar",
-                ]
-            ].to_string(index=False, float_format=lambda x: f"{x:.3f}")
-        )
-    print(f"machine: {speedup.machine_info()}")
+    with pd.option_context("display.width", 250, "display.max_columns", 30):
+        print(table[COLUMNS].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    diverged = speed_table.divergences(plan, setups)
+    if len(diverged):
+        print(f"greedy outputs that differ from plain decoding ({len(diverged)}), top-2 logit margin there:")
+        print(diverged.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
+    print(f"machine: {machine}")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        table.to_json(out, orient="records", indent=1) if out.suffix == ".json" else table.to_csv(
-            out, index=False
-        )
+        if out.suffix == ".json":
+            costs = {m.precision: m.cfg.speed.cost.as_dict() for m in plan if m.cfg.speed is not None}
+            bundle = dict(
+                machine=machine,
+                settings=dict(
+                    n_questions=args.n_questions,
+                    turns=args.turns,
+                    max_new_tokens=args.max_new_tokens,
+                    repeats=args.repeats,
+                    precisions=[s.precision for s in setups],
+                    drafters=args.drafters,
+                    threads=args.threads,
+                ),
+                table=table.to_dict(orient="records"),
+                runs=speed_table.runs_table(plan, speedup.machine_name(machine)).to_dict(orient="records"),
+                divergences=diverged.to_dict(orient="records"),
+                cost_models=costs,
+            )
+            out.write_text(json.dumps(bundle, indent=1, default=str))
+        else:
+            table.to_csv(out, index=False)
         print(f"wrote {out}")
     return 0
+
+
+def _label(spec: str) -> str:
+    """A drafter's row label: its name, or its checkpoint folder's name."""
+    return Path(spec).name if Path(spec).is_dir() else spec

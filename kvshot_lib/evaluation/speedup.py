@@ -1,68 +1,64 @@
 """End-to-end speed: wall-clock tokens/s of every decoding method on the same prompts, in the same run.
 
-Methods:
+Methods (:data:`METHODS`):
 * ``ar``: our plain decoding loop with a KV cache (the baseline of every speedup);
-* ``chain`` / ``tree``: speculative decoding with a drafter (trained, ``ngram`` prompt lookup, ``self``);
+* ``chain`` / ``tree``: speculative decoding with a drafter (trained, ``ngram`` prompt lookup, ``self``) in the
+  fixed shape of the base config;
+* ``chain_chosen`` / ``tree_chosen``: the same with the shape chosen by expected speed (``decoding.shapes``: the
+  measured cost model of the precision, acceptance estimates learned online by the method's own runs);
+* ``combined``: a chosen tree with prompt lookup's continuation in the same proposal (trained drafters);
 * ``hf_generate``: Hugging Face's ``generate`` (greedy, or sampling at temperature > 0);
 * ``hf_prompt_lookup``: ``generate`` with ``prompt_lookup_num_tokens`` (greedy only).
 
-For fairness the prompts are the outer loop and the methods the inner one, so that a slow spell of a
-shared machine hits every method alike; one untimed warm-up generation runs first. Tokens/s is total
-new tokens over total wall time (prefill included). Every speedup is a ratio against ``ar`` from the
-same call, and the machine's description is saved with the results.
+Each *precision* (``fp32``, the exact reference; ``bf16`` where the CPU has it) is a :class:`Setup`: the target
+cast to it, and the drafters bound to that copy and cast with it. For fairness the repetitions are the outer
+loop, then the prompts, then the precisions, then the methods, so that a slow spell of a shared machine hits
+every method alike; one untimed warm-up generation per method runs first. Every speedup is a ratio against
+``ar`` of the same precision, temperature and repetition (:mod:`.speed_table`).
 """
 
 from __future__ import annotations
 
-import math
-import os
-import platform
 import time
 from dataclasses import dataclass, field, replace
 
-import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
 from ..corpus import answer_text, chat_prompt_ids, load_mtbench, mtbench_messages
+from ..decoding.cost_model import cost_model
 from ..decoding.cycle import DecodeConfig, GenerationResult, stop_tokens
 from ..decoding.dispatch import generate
-from . import metrics
+from ..decoding.shapes import SpeedModel
+from ..drafters import NgramDrafter, drafter_for_target
+from ..target import cast_target, decode_dtype, precision_label
+from .speed_table import machine_info, machine_name, speedup_table
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup")
-METHODS = ("ar", "chain", "tree", *HF_METHODS)
+CHOSEN_METHODS = ("chain_chosen", "tree_chosen", "combined")
+METHODS = ("ar", "chain", "tree", *CHOSEN_METHODS, *HF_METHODS)
+FIXED_METHODS = ("ar", "chain", "tree", *HF_METHODS)  # what needs no cost model
+# a chosen shape's caps: it drafts and verifies fewer nodes wherever they do not pay
+CHOSEN_CAPS = dict(chain_depth=8, tree_depth=8, tree_top_k=4, tree_budget=48, lookup_tokens=8)
 
-
-def machine_info() -> dict:
-    """Where the numbers were taken: host, CPU/GPU, threads, library versions."""
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return dict(
-        host=platform.node(),
-        cpu=cpu,
-        cores=os.cpu_count(),
-        torch_threads=torch.get_num_threads(),
-        gpu=gpu,
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        python=platform.python_version(),
-    )
-
-
-def machine_name(info: dict | None = None) -> str:
-    """A short file-name-safe label: the GPU, else the CPU model and core count."""
-    info = info or machine_info()
-    label = info["gpu"] or f"{info['cpu']}-{info['cores']}cores"
-    return "".join(c if c.isalnum() else "-" for c in label).strip("-").lower()
+__all__ = [
+    "CHOSEN_CAPS",
+    "CHOSEN_METHODS",
+    "FIXED_METHODS",
+    "HF_METHODS",
+    "METHODS",
+    "Method",
+    "Setup",
+    "hf_generate",
+    "machine_info",
+    "machine_name",
+    "mtbench_first_turns",
+    "plan_methods",
+    "precision_setups",
+    "run_benchmark",
+    "run_mtbench_benchmark",
+    "speedup_table",
+]
 
 
 def mtbench_first_turns(tokenizer, n_questions: int | None) -> list[list[int]]:
@@ -70,36 +66,87 @@ def mtbench_first_turns(tokenizer, n_questions: int | None) -> list[list[int]]:
     return [chat_prompt_ids(tokenizer, mtbench_messages(q)) for q in load_mtbench(n_questions)]
 
 
-def run_mtbench_benchmark(
-    target, drafters: dict, n_questions: int | None, turns: int = 2, **kwargs
-) -> list[Method]:
-    """:func:`run_benchmark` on MT-bench: the first turns, then (``turns=2``) the second turns, whose prompts
-    hold the first answer of our plain decoding at the first temperature benchmarked (greedy when 0 is
-    listed first). Every method sees the same prompts."""
-    if turns not in (1, 2):
-        raise ValueError(f"turns must be 1 or 2, got {turns!r}.")
-    questions = load_mtbench(n_questions)
-    tok = target.tokenizer
-    plan = run_benchmark(
-        target, drafters, [chat_prompt_ids(tok, mtbench_messages(q)) for q in questions], **kwargs
-    )
-    if turns == 2:
-        stops = set(stop_tokens(None, target.info))
-        ar = next(m for m in plan if m.method == "ar")
-        answers = [answer_text(tok, r.token_ids, stops) for r in ar.results]
-        second = [chat_prompt_ids(tok, mtbench_messages(q, 1, a)) for q, a in zip(questions, answers)]
-        plan = run_benchmark(target, drafters, second, plan=plan, **kwargs)
-    return plan
+@dataclass
+class Setup:
+    """One precision of a benchmark: the target in that dtype and the drafters bound to it."""
+
+    precision: str  # "fp32" | "bf16" | ...
+    target: object
+    drafters: dict
+
+
+def precision_setups(target, drafters: dict, precisions=("fp32",)) -> list[Setup]:
+    """A :class:`Setup` per precision (``fp32``, ``bf16`` or ``auto``, see ``target.decode_dtype``): the target
+    cast to it (a copy, unless it is already in that dtype) and every drafter bound to that copy, in its dtype."""
+    setups = []
+    for p in precisions:
+        dtype = decode_dtype(p, target.info.device)
+        label = precision_label(dtype)
+        if any(s.precision == label for s in setups):
+            continue  # "auto" that resolves to a precision already listed
+        tgt = cast_target(target, dtype)
+        bound = {
+            name: drafter_for_target(d, tgt, dtype) if tgt is not target else d
+            for name, d in drafters.items()
+        }
+        setups.append(Setup(label, tgt, bound))
+    return setups
 
 
 @dataclass
 class Method:
-    """One row of the benchmark: a method, its drafter (``-`` for none) and its decoding config."""
+    """One row of the benchmark: a method, its drafter (``-`` for none), its decoding config and precision;
+    ``results[i]`` was measured in repetition ``reps[i]``."""
 
     method: str
     drafter: str
     cfg: DecodeConfig
     results: list[GenerationResult] = field(default_factory=list)
+    precision: str = "fp32"
+    reps: list[int] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list, repr=False)  # the prompt of each result
+
+
+def plan_methods(
+    drafters: dict,
+    methods,
+    temperatures,
+    base: DecodeConfig,
+    precision: str = "fp32",
+    cost=None,
+    chosen_caps: dict | None = None,
+) -> list[Method]:
+    """Every (method, drafter, temperature) to run; ``ar`` always, first, at each temperature. Chosen shapes
+    need ``cost`` (a ``decoding.CostModel`` with every drafter's costs); each gets its own :class:`SpeedModel`
+    and the caps ``chosen_caps`` (default :data:`CHOSEN_CAPS`) in place of the base config's fixed sizes."""
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise ValueError(f"Unknown methods {bad}; choose from {METHODS}.")
+    if cost is None and any(m in CHOSEN_METHODS for m in methods):
+        raise ValueError(
+            f"methods {CHOSEN_METHODS} need the cost model: plan_methods(..., cost=cost_model(...))."
+        )
+    plan = []
+    for temperature in temperatures:
+        cfg = replace(base, temperature=float(temperature)).validate()
+        plan.append(Method("ar", "-", replace(cfg, mode="ar"), precision=precision))
+        for m in methods:
+            if m in ("chain", "tree"):
+                plan += [Method(m, name, replace(cfg, mode=m), precision=precision) for name in drafters]
+            elif m in CHOSEN_METHODS:
+                for name, drafter in drafters.items():
+                    if m == "combined" and isinstance(drafter, NgramDrafter):
+                        continue  # prompt lookup joined to itself
+                    mode, lookup = ("chain", False) if m == "chain_chosen" else ("tree", m == "combined")
+                    speed = SpeedModel(cost, name)
+                    caps = chosen_caps or CHOSEN_CAPS
+                    chosen = replace(cfg, mode=mode, shape="chosen", lookup=lookup, speed=speed, **caps)
+                    plan.append(Method(m, name, chosen, precision=precision))
+            elif m == "hf_generate":
+                plan.append(Method(m, "-", cfg, precision=precision))
+            elif m == "hf_prompt_lookup" and temperature == 0:
+                plan.append(Method(m, "ngram", cfg, precision=precision))
+    return plan
 
 
 @torch.inference_mode()
@@ -133,96 +180,106 @@ def hf_generate(
     return result
 
 
-def plan_methods(drafters: dict, methods, temperatures, base: DecodeConfig) -> list[Method]:
-    """Every (method, drafter, temperature) to run; ``ar`` always, first, at each temperature."""
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise ValueError(f"Unknown methods {bad}; choose from {METHODS}.")
-    plan = []
-    for temperature in temperatures:
-        cfg = replace(base, temperature=float(temperature)).validate()
-        plan.append(Method("ar", "-", replace(cfg, mode="ar")))
-        for m in methods:
-            if m in ("chain", "tree"):
-                plan += [Method(m, name, replace(cfg, mode=m)) for name in drafters]
-            elif m == "hf_generate":
-                plan.append(Method(m, "-", cfg))
-            elif m == "hf_prompt_lookup" and temperature == 0:
-                plan.append(Method(m, "ngram", cfg))
-    return plan
+def _plan_setups(
+    setups: list[Setup], methods, temperatures, base: DecodeConfig, caps
+) -> dict[str, list[Method]]:
+    plans = {}
+    for s in setups:
+        cost = None
+        if any(m in CHOSEN_METHODS for m in methods):
+            cost = cost_model(s.target, s.drafters, kernel=base.small_batch_kernel)
+        plans[s.precision] = plan_methods(s.drafters, methods, temperatures, base, s.precision, cost, caps)
+    return plans
 
 
 def run_benchmark(
     target,
     drafters: dict,
     prompts: list[list[int]],
-    methods=METHODS,
+    methods=FIXED_METHODS,
     temperatures=(0.0,),
     base: DecodeConfig | None = None,
     prompt_lookup_num_tokens: int = 10,
     progress: bool = True,
     plan: list[Method] | None = None,
+    precisions=("fp32",),
+    repeats: int = 1,
+    setups: list[Setup] | None = None,
+    chosen_caps: dict | None = None,
 ) -> list[Method]:
-    """Run every planned method on every prompt (prompts outer, methods inner); returns the raw results.
-    Pass the ``plan`` of an earlier call to append to it (no new warm-up)."""
+    """Run every planned method on every prompt, ``repeats`` times, in every precision (repetitions outer, then
+    prompts, then precisions, then methods); returns the raw results. Pass the ``plan`` (and ``setups``) of an
+    earlier call to append to it (no new warm-up). ``target``/``drafters`` are the float32 ones; the other
+    precisions are copies (:func:`precision_setups`)."""
     if not prompts:
         raise ValueError("no prompts to benchmark.")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}.")
+    setups = setups or precision_setups(target, drafters, precisions)
+    by_precision = {s.precision: s for s in setups}
     if plan is None:
-        plan = plan_methods(drafters, methods, temperatures, base or DecodeConfig())
+        plans = _plan_setups(setups, methods, temperatures, base or DecodeConfig(), chosen_caps)
+        plan = [m for s in setups for m in plans[s.precision]]
         for m in plan:  # untimed warm-up of every code path
-            warm = replace(m, cfg=replace(m.cfg, max_new_tokens=4))
-            _run_one(target, drafters, warm, prompts[0], prompt_lookup_num_tokens)
-    offset = len(plan[0].results)
-    for i, prompt in enumerate(tqdm(prompts, desc="speed benchmark", disable=not progress), start=offset):
-        for m in plan:
-            seeded = replace(m, cfg=replace(m.cfg, seed=m.cfg.seed * 1_000_003 + i))
-            m.results.append(_run_one(target, drafters, seeded, prompt, prompt_lookup_num_tokens))
+            warm = replace(m, cfg=replace(m.cfg, max_new_tokens=4), results=[], reps=[], prompts=[])
+            _run_one(by_precision[m.precision], warm, prompts[0], prompt_lookup_num_tokens)
+    offset = len(plan[0].results)  # prompts already run: seeds stay distinct
+    total = repeats * len(prompts)
+    bar = tqdm(total=total, desc="speed benchmark", disable=not progress)
+    for rep in range(repeats):
+        for i, prompt in enumerate(prompts, start=offset):
+            for s in setups:
+                for m in (m for m in plan if m.precision == s.precision):
+                    seeded = replace(m, cfg=replace(m.cfg, seed=m.cfg.seed * 1_000_003 + i))
+                    m.results.append(_run_one(s, seeded, prompt, prompt_lookup_num_tokens))
+                    m.reps.append(rep)
+                    m.prompts.append(list(prompt))
+            bar.update()
+    bar.close()
     return plan
 
 
-def _run_one(target, drafters, m: Method, prompt, prompt_lookup_num_tokens: int) -> GenerationResult:
+def _run_one(setup: Setup, m: Method, prompt, prompt_lookup_num_tokens: int) -> GenerationResult:
     if m.method == "hf_generate":
-        return hf_generate(target, prompt, m.cfg)
+        return hf_generate(setup.target, prompt, m.cfg)
     if m.method == "hf_prompt_lookup":
-        return hf_generate(target, prompt, m.cfg, prompt_lookup=prompt_lookup_num_tokens)
-    return generate(target, prompt, m.cfg, drafters.get(m.drafter))
+        return hf_generate(setup.target, prompt, m.cfg, prompt_lookup=prompt_lookup_num_tokens)
+    return generate(setup.target, prompt, m.cfg, setup.drafters.get(m.drafter))
 
 
-def speedup_table(plan: list[Method], machine: str | None = None) -> pd.DataFrame:
-    """One row per method x drafter x temperature: tokens/s, speedup vs ``ar``, MAT, exact match vs ``ar``."""
-    ar = {m.cfg.temperature: m for m in plan if m.method == "ar"}
-    machine = machine or machine_name()
-    rows = []
+def run_mtbench_benchmark(
+    target, drafters: dict, n_questions: int | None, turns: int = 2, **kwargs
+) -> list[Method]:
+    """:func:`run_benchmark` on MT-bench: the first turns, then (``turns=2``) the second turns, whose prompts
+    hold the first answer of our plain decoding at the first temperature benchmarked (greedy when 0 is listed
+    first) in the first precision. Every method sees the same prompts. With ``repeats > 1`` each repetition
+    runs the first turns and then the second turns."""
+    if turns not in (1, 2):
+        raise ValueError(f"turns must be 1 or 2, got {turns!r}.")
+    questions = load_mtbench(n_questions)
+    tok = target.tokenizer
+    repeats = kwargs.pop("repeats", 1)
+    setups = kwargs.pop("setups", None) or precision_setups(
+        target, drafters, kwargs.pop("precisions", ("fp32",))
+    )
+    kwargs.pop("precisions", None)
+    first = [chat_prompt_ids(tok, mtbench_messages(q)) for q in questions]
+    plan, second = kwargs.pop("plan", None), None
+    for _ in range(repeats):
+        plan = run_benchmark(target, drafters, first, plan=plan, setups=setups, **kwargs)
+        if turns == 2:
+            if second is None:
+                stops = set(stop_tokens(None, target.info))
+                ar = next(m for m in plan if m.method == "ar")
+                answers = [answer_text(tok, r.token_ids, stops) for r in ar.results[: len(questions)]]
+                second = [chat_prompt_ids(tok, mtbench_messages(q, 1, a)) for q, a in zip(questions, answers)]
+            plan = run_benchmark(target, drafters, second, plan=plan, setups=setups, **kwargs)
+    _number_repetitions(plan, repeats)
+    return plan
+
+
+def _number_repetitions(plan: list[Method], repeats: int) -> None:
+    """Each method ran its prompts in ``repeats`` equal blocks: label every result with its block."""
     for m in plan:
-        tokens = sum(len(r.token_ids) for r in m.results)
-        seconds = sum(r.total_s for r in m.results)
-        tps = metrics.tokens_per_second(tokens, seconds)
-        base = ar[m.cfg.temperature]
-        base_tps = metrics.tokens_per_second(
-            sum(len(r.token_ids) for r in base.results), sum(r.total_s for r in base.results)
-        )
-        exact = math.nan
-        if m.cfg.temperature == 0:
-            exact = sum(r.token_ids == b.token_ids for r, b in zip(m.results, base.results)) / max(
-                len(m.results), 1
-            )
-        cycles = [a for r in m.results for a in r.accepted_per_cycle]
-        rows.append(
-            dict(
-                method=m.method,
-                drafter=m.drafter,
-                temperature=m.cfg.temperature,
-                tokens_per_s=tps,
-                speedup_vs_ar=metrics.speedup(tps, base_tps),
-                mat=metrics.mean_accepted_tokens(cycles) if m.method in ("chain", "tree") else math.nan,
-                exact_match_vs_ar=exact,
-                n_prompts=len(m.results),
-                n_tokens=tokens,
-                seconds=seconds,
-                draft_s=sum(r.draft_s for r in m.results),
-                verify_s=sum(r.verify_s for r in m.results),
-                prefill_s=sum(r.prefill_s for r in m.results),
-                machine=machine,
-            )
-        )
-    return pd.DataFrame(rows)
+        per = len(m.results) // repeats
+        m.reps = [i // per for i in range(len(m.results))] if per else []

@@ -5,7 +5,8 @@
 * :func:`capture` records hidden states, post-RoPE K/V and post-RoPE queries through transformers' own
   seams, and undoes every hook on exit;
 * :mod:`.precision`: ``mixed_precision: auto`` resolved against the hardware (bf16 on a CPU with AMX-BF16 or
-  AVX512-BF16), the one ``autocast`` every stage runs under, and the machine record every table carries.
+  AVX512-BF16), the one ``autocast`` every stage runs under, the dtype decoding runs in (:func:`cast_target` copies a
+  target into it), and the machine record every table carries.
 
 It hands the loaded target and the captured tensors to ``corpus`` (feature extraction) and everything after.
 """
@@ -21,21 +22,26 @@ from .loading import (
     Target,
     TargetInfo,
     TargetLoadError,
+    cast_target,
     load_target,
     smollm2_tokenizer,
 )
 from .precision import (
+    DECODE_PRECISIONS,
     PRECISIONS,
     PrecisionError,
     autocast,
     bf16_isa,
     cpu_model,
+    decode_dtype,
     machine_record,
+    precision_label,
     resolve_precision,
 )
 
 __all__ = [
     "Captured",
+    "DECODE_PRECISIONS",
     "PRECISIONS",
     "PrecisionError",
     "DEFAULT_TARGET",
@@ -52,10 +58,13 @@ __all__ = [
     "bf16_isa",
     "cache_dir",
     "capture",
+    "cast_target",
     "cpu_model",
+    "decode_dtype",
     "decoder_layers",
     "load_target",
     "machine_record",
+    "precision_label",
     "resolve_precision",
     "smollm2_tokenizer",
 ]

@@ -261,3 +261,18 @@ def load_target(
         fingerprint=_fingerprint(cfg),
     )
     return Target(model=model, tokenizer=tokenizer, info=info)
+
+
+def cast_target(target: Target, dtype: torch.dtype) -> Target:
+    """The same target with its weights (and so its KV cache and logits) in ``dtype``: a copy, so that plain
+    decoding in float32 and in bf16 can alternate in one run; ``target`` itself when it is already in ``dtype``.
+    4-bit targets keep their quantized weights and are returned as they are."""
+    current = next(target.model.parameters()).dtype
+    if current == dtype or getattr(target.model, "is_loaded_in_4bit", False):
+        return target
+    import copy
+    from dataclasses import replace
+
+    model = copy.deepcopy(target.model).to(dtype).eval().requires_grad_(False)
+    info = replace(target.info, dtype=str(dtype).removeprefix("torch."))
+    return Target(model=model, tokenizer=target.tokenizer, info=info)

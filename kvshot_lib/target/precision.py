@@ -9,6 +9,8 @@
   message (bf16 would be emulated there, slower than float32).
 * :func:`autocast` is the one context manager the training loop, feature extraction, held-out evaluation
   and the probes run under: parameters stay float32 (the optimizer's master copy), matmuls run in bf16.
+* :func:`decode_dtype` is what decoding runs in: the whole target (weights, KV cache, logits) and the drafter
+  in bf16 where the hardware has it, float32 as the exact reference (``fp32``);
 * :func:`machine_record` is what every result table carries, so that a number from an AMX machine is never
   compared silently with one from a machine without: the precision, the CPU model and its bf16 ISA.
 
@@ -106,6 +108,25 @@ def autocast(precision: str, device: str | torch.device = "cpu"):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(_device_kind(device), dtype=dtype)
+
+
+DECODE_PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def decode_dtype(precision: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """The dtype a decoding run holds its target and drafter in: ``fp32`` (the exact reference), ``bf16``, or
+    ``auto`` (bf16 where :func:`resolve_precision` picks it for ``device``). Unlike training, decoding casts
+    the weights themselves: autocast would re-cast every weight at every forward, which costs more than a
+    one-token step saves."""
+    if precision not in DECODE_PRECISIONS:
+        raise PrecisionError(f"decoding precision must be one of {DECODE_PRECISIONS}, got {precision!r}.")
+    resolved = resolve_precision({"fp32": "no"}.get(precision, precision), device)
+    return torch.bfloat16 if resolved == "bf16" else torch.float16 if resolved == "fp16" else torch.float32
+
+
+def precision_label(dtype: torch.dtype) -> str:
+    """``fp32`` / ``bf16`` / ``fp16``: the name a result table gives a decoding run's dtype."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
 def machine_record(precision: str, device: str | torch.device = "cpu") -> dict:

@@ -1,0 +1,311 @@
+"""What one speculative cycle costs on this machine, in this precision: measured once, saved, reused.
+
+A cycle is drafting, one target forward over the root and the drafted nodes, and the commit. The draft shape
+that decodes fastest (:mod:`.shapes`) trades expected accepted tokens against these seconds, so they are
+measured, not assumed (vLLM profiles each step shape at start-up for the same reason):
+
+* ``verify_chain[k]`` / ``verify_tree[k]``: one target forward of a ``k``-token block (the root and ``k - 1``
+  drafts) on a cache of ``context`` tokens, ``k = 1..64``, causal (a chain) or with an explicit tree mask,
+  building the mask included; through :func:`~.kernels.small_batch_linear`, as the engine runs it;
+* ``commit_s``: moving the accepted path's K/V into place and cropping the rest (:func:`~.cycle.keep_block_positions`);
+* per drafter, ``start_s`` (``start_cycle``: ingest the new positions, draft the root's child) and
+  ``expand_s[n]`` (``expand`` of ``n`` nodes in one call), timed inside real cycles by a :class:`TimedSession`;
+  :meth:`CostModel.expand` interpolates them linearly in ``n``.
+
+Every figure is the lower quartile of its repeated timings: on a machine shared with other work the upper ones
+hold the other work's time slices, which no draft shape changes.
+
+:func:`cost_model` loads the entry for (CPU model, torch version, threads, target architecture, dtype) from
+``<cache>/cost_models.json`` and measures what is missing (about a minute for the target, seconds per drafter);
+``CostModel.from_dict`` rebuilds a synthetic one for tests.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from ..drafters.tree_mask import ancestor_matrix, tree_attention_mask
+from ..target.precision import cpu_model, precision_label
+from .cycle import DecodeConfig, keep_block_positions
+from .engine import speculative_generate
+from .kernels import small_batch_linear
+
+QUANTILE = 0.25
+BLOCK_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+EXPAND_WIDTHS = (1, 2, 4, 8)
+
+
+@dataclass
+class DrafterCost:
+    """Seconds of a drafter's two calls: ``start_cycle``, and ``expand`` by the nodes it drafts at once."""
+
+    start_s: float
+    expand_s: dict[int, float]  # n nodes in one expand call -> seconds
+
+
+@dataclass
+class CostModel:
+    """Measured seconds per cycle phase for one (machine, target, dtype); see the module docstring."""
+
+    key: str
+    precision: str  # "fp32" | "bf16" | ...
+    context: int  # cached tokens under the timed blocks
+    verify_chain: dict[int, float]  # block tokens (root + drafts) -> seconds, causal
+    verify_tree: dict[int, float]  # the same with a tree mask
+    commit_s: float
+    drafters: dict[str, DrafterCost] = field(default_factory=dict)
+
+    def verify(self, n_tokens: int, tree: bool = True) -> float:
+        """Seconds of a target forward over ``n_tokens`` block tokens: linear between measured sizes, and
+        past the largest along the last measured slope."""
+        table = self.verify_tree if tree else self.verify_chain
+        return _interpolate(table, n_tokens)
+
+    def start(self, drafter: str) -> float:
+        return self._drafter(drafter).start_s
+
+    def expand(self, drafter: str, n: int) -> float:
+        """Seconds of one ``expand`` call drafting ``n`` nodes (0 for ``n == 0``)."""
+        return _interpolate(self._drafter(drafter).expand_s, n) if n > 0 else 0.0
+
+    def _drafter(self, name: str) -> DrafterCost:
+        if name not in self.drafters:
+            raise KeyError(
+                f"the cost model {self.key!r} has no costs for drafter {name!r} (it has {sorted(self.drafters)}); "
+                "measure it with cost_model(target, {name: drafter})."
+            )
+        return self.drafters[name]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        def table(t):
+            return {int(k): float(v) for k, v in t.items()}
+
+        drafters = {
+            name: DrafterCost(float(c["start_s"]), table(c["expand_s"]))
+            for name, c in d.get("drafters", {}).items()
+        }
+        return cls(
+            key=d["key"],
+            precision=d["precision"],
+            context=int(d["context"]),
+            verify_chain=table(d["verify_chain"]),
+            verify_tree=table(d["verify_tree"]),
+            commit_s=float(d["commit_s"]),
+            drafters=drafters,
+        )
+
+
+def _interpolate(table: dict[int, float], x: int) -> float:
+    xs = sorted(table)
+    if x <= xs[0]:
+        return table[xs[0]]
+    for lo, hi in zip(xs, xs[1:]):
+        if x <= hi:
+            return table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
+    if len(xs) == 1:
+        return table[xs[0]]
+    lo, hi = xs[-2], xs[-1]
+    return table[hi] + (table[hi] - table[lo]) * (x - hi) / (hi - lo)
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+def _low(times: list[float]) -> float:
+    return sorted(times)[int(QUANTILE * (len(times) - 1))]
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.inference_mode()
+def measure_verification(
+    target, context: int = 256, sizes=BLOCK_SIZES, reps: int = 8, kernel: bool = True
+) -> tuple[dict[int, float], dict[int, float], float]:
+    """Seconds (lower quartile) of a ``k``-token forward (causal, then tree-masked) on a cache of ``context`` random
+    tokens for every ``k`` in ``sizes``, and the seconds of a commit; sizes interleaved per repetition."""
+    model = target.model
+    dev = model.device
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, min(5000, target.info.vocab_size), (1, context), generator=g).to(dev)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    dtype = next(model.parameters()).dtype
+    times = defaultdict(list)
+    commits = []
+    with small_batch_linear(model, enabled=kernel):
+        for rep in range(reps + 1):  # the first round warms up every shape
+            for k in sizes:
+                block = torch.randint(100, 1000, (1, k), generator=g).to(dev)  # [1, k]
+                positions = torch.arange(context, context + k, device=dev)[None]  # [1, k]
+                for tree in (False, True):
+                    t0 = _clock(dev)
+                    mask = None
+                    if tree and k > 1:
+                        mask = tree_attention_mask(
+                            ancestor_matrix(list(range(-1, k - 2))), context, dtype, dev
+                        )
+                    model(
+                        input_ids=block,
+                        past_key_values=cache,
+                        position_ids=positions,
+                        attention_mask=mask,
+                        use_cache=True,
+                    )
+                    t1 = _clock(dev)
+                    if tree:
+                        keep_block_positions(
+                            cache, context, [0, k - 1] if k > 1 else [0]
+                        )  # a path of one draft
+                        commits.append(_clock(dev) - t1)
+                    cache.crop(-(cache.get_seq_length() - context))
+                    if rep:
+                        times[k, tree].append(t1 - t0)
+    chain = {k: _low(times[k, False]) for k in sizes}
+    treed = {k: _low(times[k, True]) for k in sizes}
+    return chain, treed, _low(commits)
+
+
+class TimedSession:
+    """A draft session that times its own ``start_cycle`` and ``expand`` calls (by nodes per call)."""
+
+    def __init__(self, session, device):
+        self.inner, self.device = session, device
+        self.d2t, self.hidden_layers = session.d2t, session.hidden_layers
+        self.start_times: list[float] = []
+        self.expand_times: dict[int, list[float]] = defaultdict(list)
+
+    def start_cycle(self, committed, view):
+        t0 = _clock(self.device)
+        out = self.inner.start_cycle(committed, view)
+        self.start_times.append(_clock(self.device) - t0)
+        return out
+
+    def expand(self, tokens, parents):
+        t0 = _clock(self.device)
+        out = self.inner.expand(tokens, parents)
+        self.expand_times[len(tokens)].append(_clock(self.device) - t0)
+        return out
+
+    def end_cycle(self) -> None:
+        self.inner.end_cycle()
+
+
+@dataclass
+class _TimedFactory:
+    drafter: object
+    device: torch.device
+    sessions: list = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.drafter.name
+
+    def new_session(self):
+        self.sessions.append(TimedSession(self.drafter.new_session(), self.device))
+        return self.sessions[-1]
+
+
+def measure_drafter(
+    target, drafter, context: int = 256, new_tokens: int = 24, widths=EXPAND_WIDTHS
+) -> DrafterCost:
+    """A drafter's ``start_cycle`` and ``expand`` seconds, timed inside real speculative cycles on a random prompt
+    of ``context`` tokens: trees of depth 3 with ``n`` children per level, for ``n`` in ``widths``."""
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(100, min(5000, target.info.vocab_size), (context,), generator=g).tolist()
+    timed = _TimedFactory(drafter, target.model.device)
+    for width in (widths[0], *widths):  # the first run warms up
+        cfg = DecodeConfig(
+            mode="tree",
+            max_new_tokens=new_tokens,
+            tree_depth=3,
+            tree_top_k=width,
+            tree_budget=3 * width,
+            stop_token_ids=(),
+        )
+        speculative_generate(target, timed, prompt, cfg)
+    sessions = timed.sessions[1:]
+    starts = [t for s in sessions for t in s.start_times]
+    expands = defaultdict(list)
+    for s in sessions:
+        for n, ts in s.expand_times.items():
+            expands[n] += ts
+    return DrafterCost(_low(starts), {n: _low(ts) for n, ts in sorted(expands.items())})
+
+
+# --------------------------------------------------------------------------------------------- the disk cache
+
+
+def cost_key(target, kernel: bool = True) -> str:
+    dtype = next(target.model.parameters()).dtype
+    return (
+        f"{cpu_model() if target.model.device.type == 'cpu' else torch.cuda.get_device_name()}|torch {torch.__version__}"
+        f"|{torch.get_num_threads()} threads|{target.info.name} {target.info.fingerprint}|{precision_label(dtype)}"
+        f"|kernel {kernel}"
+    )
+
+
+def _disk_path():
+    from ..target.assets import cache_dir
+
+    return cache_dir() / "cost_models.json"
+
+
+def _read_disk() -> dict:
+    try:
+        return json.loads(_disk_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_disk(key: str, entry: dict) -> None:
+    try:
+        table = {**_read_disk(), key: entry}
+        tmp = _disk_path().with_suffix(".tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        tmp.replace(_disk_path())
+    except OSError:
+        pass  # a read-only cache only costs a re-measurement
+
+
+def cost_model(
+    target, drafters: dict | None = None, context: int = 256, kernel: bool = True, remeasure: bool = False
+) -> CostModel:
+    """The cost model of ``target`` in its dtype on this machine, with the costs of every drafter in ``drafters``
+    (name -> SessionFactory): read from ``<cache>/cost_models.json``, what is missing measured and saved."""
+    key = cost_key(target, kernel)
+    entry = None if remeasure else _read_disk().get(key)
+    if entry is None or int(entry.get("context", -1)) != context:
+        chain, tree, commit = measure_verification(target, context, kernel=kernel)
+        dtype = next(target.model.parameters()).dtype
+        entry = dict(
+            key=key,
+            precision=precision_label(dtype),
+            context=context,
+            verify_chain=chain,
+            verify_tree=tree,
+            commit_s=commit,
+            drafters={},
+        )
+    model = CostModel.from_dict(entry)
+    missing = {
+        name: d for name, d in (drafters or {}).items() if d is not None and name not in model.drafters
+    }
+    for name, drafter in missing.items():  # the engine runs them with its kernels
+        model.drafters[name] = measure_drafter(target, drafter, context)
+    if missing or entry.get("drafters") is None or key not in _read_disk():
+        _write_disk(key, model.as_dict())
+    return model
