@@ -21,7 +21,7 @@ from .cost_model import (
     CostModel,
     DrafterCost,
     TimedSession,
-    cost_model,
+    cost_model_for,
     measure_drafter,
     measure_verification,
 )
@@ -90,7 +90,7 @@ __all__ = [
     "chain_values",
     "chosen_chain",
     "chosen_tree",
-    "cost_model",
+    "cost_model_for",
     "expected_tokens",
     "lookup_chain",
     "measure_drafter",

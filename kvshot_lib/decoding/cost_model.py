@@ -15,7 +15,7 @@ measured, not assumed (vLLM profiles each step shape at start-up for the same re
 Every figure is the lower quartile of its repeated timings: on a machine shared with other work the upper ones
 hold the other work's time slices, which no draft shape changes.
 
-:func:`cost_model` loads the entry for (CPU model, torch version, threads, target architecture, dtype) from
+:func:`cost_model_for` loads the entry for (CPU model, torch version, threads, target architecture, dtype) from
 ``<cache>/cost_models.json`` and measures what is missing (about a minute for the target, seconds per drafter);
 ``CostModel.from_dict`` rebuilds a synthetic one for tests.
 """
@@ -78,7 +78,7 @@ class CostModel:
         if name not in self.drafters:
             raise KeyError(
                 f"the cost model {self.key!r} has no costs for drafter {name!r} (it has {sorted(self.drafters)}); "
-                "measure it with cost_model(target, {name: drafter})."
+                "measure it with cost_model_for(target, {name: drafter})."
             )
         return self.drafters[name]
 
@@ -281,7 +281,7 @@ def _write_disk(key: str, entry: dict) -> None:
         pass  # a read-only cache only costs a re-measurement
 
 
-def cost_model(
+def cost_model_for(
     target, drafters: dict | None = None, context: int = 256, kernel: bool = True, remeasure: bool = False
 ) -> CostModel:
     """The cost model of ``target`` in its dtype on this machine, with the costs of every drafter in ``drafters``

@@ -66,7 +66,7 @@ class DecodeConfig:
             raise ValueError(f"shape must be one of {SHAPES}, got {self.shape!r}.")
         if self.shape == "chosen" and self.speed is None:
             raise ValueError(
-                "shape='chosen' needs speed=SpeedModel(cost_model(target, {name: drafter}), name): the measured "
+                "shape='chosen' needs speed=SpeedModel(cost_model_for(target, {name: drafter}), name): the measured "
                 "costs and the acceptance estimates it chooses by."
             )
         check_sampling_args(self.temperature, self.top_k, self.top_p)

@@ -60,7 +60,7 @@ def chosen_chain(
     for d in range(max_depth):
         if d > 0:
             gain = value * acc.continue_rate(source, d)
-            if not best_expansion(tree.values, spent, [gain], speed.expand_s, verify):
+            if speed.early_stop and not best_expansion(tree.values, spent, [gain], speed.expand_s, verify):
                 break
             token, parent = torch.tensor([tree.tokens[-1]], device=dev), torch.tensor([d - 2], device=dev)
             logits = session.expand(token, parent)[0]  # [V_draft]

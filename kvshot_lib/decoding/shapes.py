@@ -153,12 +153,14 @@ class AcceptanceModel:
 
 @dataclass
 class SpeedModel:
-    """What chosen shapes need: the cost model, the drafter whose call costs apply, the acceptance estimates
-    (learned across the generations that share this object), and the caps of a chosen shape."""
+    """What chosen shapes need: the cost model, the drafter whose call costs apply and the acceptance estimates
+    (learned across the generations that share this object). ``early_stop=False`` drafts every shape to its caps
+    and only then selects the nodes to verify (the ablation ``tests/test_decoding_shapes.py`` compares)."""
 
     cost: object  # a CostModel
     drafter: str
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
+    early_stop: bool = True
 
     def verify_fn(self, tree: bool) -> Callable[[int], float]:
         return lambda n: self.cost.verify(n, tree)

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..corpus import answer_text, chat_prompt_ids, load_mtbench, mtbench_messages
-from ..decoding.cost_model import cost_model
+from ..decoding.cost_model import cost_model_for
 from ..decoding.cycle import DecodeConfig, GenerationResult, stop_tokens
 from ..decoding.dispatch import generate
 from ..decoding.shapes import SpeedModel
@@ -124,7 +124,7 @@ def plan_methods(
         raise ValueError(f"Unknown methods {bad}; choose from {METHODS}.")
     if cost is None and any(m in CHOSEN_METHODS for m in methods):
         raise ValueError(
-            f"methods {CHOSEN_METHODS} need the cost model: plan_methods(..., cost=cost_model(...))."
+            f"methods {CHOSEN_METHODS} need the cost model: plan_methods(..., cost=cost_model_for(...))."
         )
     plan = []
     for temperature in temperatures:
@@ -187,7 +187,7 @@ def _plan_setups(
     for s in setups:
         cost = None
         if any(m in CHOSEN_METHODS for m in methods):
-            cost = cost_model(s.target, s.drafters, kernel=base.small_batch_kernel)
+            cost = cost_model_for(s.target, s.drafters, kernel=base.small_batch_kernel)
         plans[s.precision] = plan_methods(s.drafters, methods, temperatures, base, s.precision, cost, caps)
     return plans
 
