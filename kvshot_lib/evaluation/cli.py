@@ -62,6 +62,16 @@ def add_cli(sub) -> None:
         help="fp32 (exact reference), bf16, auto (bf16 where the CPU has it); each with its own plain decoding",
     )
     b.add_argument("--repeats", type=int, default=1, help="run the whole table this many times, interleaved")
+    b.add_argument(
+        "--drafter-methods",
+        nargs="+",
+        default=[],
+        metavar="NAME=M1,M2",
+        help="restrict a drafter to some methods, e.g. ngram=chain,chain_chosen",
+    )
+    b.add_argument(
+        "--remeasure-costs", action="store_true", help="measure the cost models afresh (not cached)"
+    )
     b.add_argument("--out", default=None, help="write the table here (.csv, or .json with everything)")
     b.set_defaults(func=_cli_bench)
 
@@ -79,9 +89,24 @@ def _cli_bench(args) -> int:
     bad = [m for m in args.methods if m not in speedup.METHODS]
     if bad:
         raise SystemExit(f"kvshot: unknown methods {bad}; choose from {speedup.METHODS}.")
+    drafter_methods = {}
+    for item in args.drafter_methods:
+        name, _, listed = item.partition("=")
+        wrong = [m for m in listed.split(",") if m not in speedup.METHODS]
+        if not name or not listed or wrong:
+            raise SystemExit(
+                f"kvshot: --drafter-methods takes NAME=M1,M2 with methods of {speedup.METHODS}: {item!r}"
+            )
+        drafter_methods[name] = tuple(listed.split(","))
     target = load_cli_target(args)
     drafters = {_label(spec): resolve_drafter(spec, target, args.seed) for spec in args.drafters}
     setups = speedup.precision_setups(target, drafters, args.precisions)
+    machine = speedup.machine_info()
+
+    def save(plan, done):  # after every repetition: a cut-off run keeps what it measured
+        if args.out:
+            _write(Path(args.out), plan, setups, machine, args, done)
+
     plan = speedup.run_mtbench_benchmark(
         target,
         drafters,
@@ -92,44 +117,58 @@ def _cli_bench(args) -> int:
         base=base,
         setups=setups,
         repeats=args.repeats,
+        remeasure_costs=args.remeasure_costs,
+        drafter_methods=drafter_methods,
+        on_repeat=save,
     )
-    machine = speedup.machine_info()
     table = speedup.speedup_table(plan, speedup.machine_name(machine))
     import pandas as pd
 
     with pd.option_context("display.width", 250, "display.max_columns", 30):
         print(table[COLUMNS].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-    diverged = speed_table.divergences(plan, setups)
+    diverged = _write(Path(args.out), plan, setups, machine, args, args.repeats) if args.out else None
+    if diverged is None:
+        diverged = speed_table.divergences(plan, setups)
     if len(diverged):
         print(f"greedy outputs that differ from plain decoding ({len(diverged)}), top-2 logit margin there:")
         print(diverged.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
     print(f"machine: {machine}")
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.suffix == ".json":
-            costs = {m.precision: m.cfg.speed.cost.as_dict() for m in plan if m.cfg.speed is not None}
-            bundle = dict(
-                machine=machine,
-                settings=dict(
-                    n_questions=args.n_questions,
-                    turns=args.turns,
-                    max_new_tokens=args.max_new_tokens,
-                    repeats=args.repeats,
-                    precisions=[s.precision for s in setups],
-                    drafters=args.drafters,
-                    threads=args.threads,
-                ),
-                table=table.to_dict(orient="records"),
-                runs=speed_table.runs_table(plan, speedup.machine_name(machine)).to_dict(orient="records"),
-                divergences=diverged.to_dict(orient="records"),
-                cost_models=costs,
-            )
-            out.write_text(json.dumps(bundle, indent=1, default=str))
-        else:
-            table.to_csv(out, index=False)
-        print(f"wrote {out}")
     return 0
+
+
+def _write(out: Path, plan, setups, machine: dict, args, done: int):
+    """Write the table (.csv) or everything (.json); returns the divergences table."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    name = speedup.machine_name(machine)
+    table = speedup.speedup_table(plan, name)
+    diverged = speed_table.divergences(plan, setups)
+    if out.suffix == ".json":
+        costs = {m.precision: m.cfg.speed.cost.as_dict() for m in plan if m.cfg.speed is not None}
+        bundle = dict(
+            machine=machine,
+            settings=dict(
+                n_questions=args.n_questions,
+                turns=args.turns,
+                max_new_tokens=args.max_new_tokens,
+                repeats=args.repeats,
+                repeats_done=done,
+                precisions=[s.precision for s in setups],
+                drafters=args.drafters,
+                threads=args.threads,
+                chain_depth=args.chain_depth,
+                tree=[args.tree_depth, args.tree_top_k, args.tree_budget],
+                chosen_caps=speedup.CHOSEN_CAPS,
+            ),
+            table=table.to_dict(orient="records"),
+            runs=speed_table.runs_table(plan, name).to_dict(orient="records"),
+            divergences=diverged.to_dict(orient="records"),
+            cost_models=costs,
+        )
+        out.write_text(json.dumps(bundle, indent=1, default=str))
+    else:
+        table.to_csv(out, index=False)
+    print(f"wrote {out} ({done} of {args.repeats} repetitions)")
+    return diverged
 
 
 def _label(spec: str) -> str:

@@ -199,18 +199,24 @@ def _nodes_per_cycle(plan, key) -> float:
 
 
 @torch.inference_mode()
-def _margin(target, prefix: list[int]) -> float:
-    """Top-1 minus top-2 logit of ``target`` after ``prefix``."""
+def _top2(target, prefix: list[int]) -> tuple[float, float]:
+    """Top-1 logit of ``target`` after ``prefix`` and its margin over the top-2."""
     model = target.model
     logits = model(torch.tensor([prefix], device=model.device), logits_to_keep=1).logits[0, -1].float()
     top = logits.topk(2).values
-    return float(top[0] - top[1])
+    return float(top[0]), float(top[0] - top[1])
+
+
+def bf16_spacing(x: float) -> float:
+    """The gap between adjacent bf16 numbers at ``x`` (8 significant bits): 0.125 for logits in [16, 32)."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0**-133
 
 
 def divergences(plan, setups, reference: str = "fp32") -> pd.DataFrame:
     """Every greedy result that differs from plain decoding's (same precision, repetition and prompt): the first
     differing position, the two tokens, and plain decoding's top-2 logit margin there in the result's precision
-    and in ``reference`` (when that precision was run). Needs the prompts the methods recorded."""
+    (also in units of bf16's spacing at the top logit: 0 is an exact tie of bf16 logits) and in ``reference``
+    (when that precision was run). Needs the prompts the methods recorded."""
     by_precision = {s.precision: s for s in setups}
     ar = {m.precision: m for m in plan if m.method == "ar" and m.cfg.temperature == 0}
     rows = []
@@ -224,6 +230,7 @@ def divergences(plan, setups, reference: str = "fp32") -> pd.DataFrame:
             n = min(len(r.token_ids), len(b.token_ids))
             pos = next((j for j in range(n) if r.token_ids[j] != b.token_ids[j]), n)
             prefix = base.prompts[i] + b.token_ids[:pos]
+            top, margin = _top2(by_precision[m.precision].target, prefix)
             row = dict(
                 method=m.method,
                 drafter=m.drafter,
@@ -234,10 +241,12 @@ def divergences(plan, setups, reference: str = "fp32") -> pd.DataFrame:
                 position=pos,
                 plain_token=b.token_ids[pos] if pos < len(b.token_ids) else -1,
                 other_token=r.token_ids[pos] if pos < len(r.token_ids) else -1,
-                margin=_margin(by_precision[m.precision].target, prefix),
+                top_logit=top,
+                margin=margin,
+                margin_bf16_spacings=margin / bf16_spacing(top),
                 margin_reference=math.nan,
             )
             if reference in by_precision and reference != m.precision:
-                row["margin_reference"] = _margin(by_precision[reference].target, prefix)
+                row["margin_reference"] = _top2(by_precision[reference].target, prefix)[1]
             rows.append(row)
     return pd.DataFrame(rows)

@@ -115,10 +115,12 @@ def plan_methods(
     precision: str = "fp32",
     cost=None,
     chosen_caps: dict | None = None,
+    drafter_methods: dict | None = None,
 ) -> list[Method]:
     """Every (method, drafter, temperature) to run; ``ar`` always, first, at each temperature. Chosen shapes
     need ``cost`` (a ``decoding.CostModel`` with every drafter's costs); each gets its own :class:`SpeedModel`
-    and the caps ``chosen_caps`` (default :data:`CHOSEN_CAPS`) in place of the base config's fixed sizes."""
+    and the caps ``chosen_caps`` (default :data:`CHOSEN_CAPS`) in place of the base config's fixed sizes.
+    ``drafter_methods``: drafter name -> the only methods it runs (e.g. ``{"ngram": ("chain",)}``)."""
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise ValueError(f"Unknown methods {bad}; choose from {METHODS}.")
@@ -127,16 +129,25 @@ def plan_methods(
             f"methods {CHOSEN_METHODS} need the cost model: plan_methods(..., cost=cost_model_for(...))."
         )
     plan = []
+    allowed = drafter_methods or {}
+
+    def runs(name, method):
+        return method in allowed.get(name, METHODS)
+
     for temperature in temperatures:
         cfg = replace(base, temperature=float(temperature)).validate()
         plan.append(Method("ar", "-", replace(cfg, mode="ar"), precision=precision))
         for m in methods:
             if m in ("chain", "tree"):
-                plan += [Method(m, name, replace(cfg, mode=m), precision=precision) for name in drafters]
+                plan += [
+                    Method(m, name, replace(cfg, mode=m), precision=precision)
+                    for name in drafters
+                    if runs(name, m)
+                ]
             elif m in CHOSEN_METHODS:
                 for name, drafter in drafters.items():
-                    if m == "combined" and isinstance(drafter, NgramDrafter):
-                        continue  # prompt lookup joined to itself
+                    if (m == "combined" and isinstance(drafter, NgramDrafter)) or not runs(name, m):
+                        continue  # prompt lookup joined to itself, or not asked for
                     mode, lookup = ("chain", False) if m == "chain_chosen" else ("tree", m == "combined")
                     speed = SpeedModel(cost, name)
                     caps = chosen_caps or CHOSEN_CAPS
@@ -181,14 +192,16 @@ def hf_generate(
 
 
 def _plan_setups(
-    setups: list[Setup], methods, temperatures, base: DecodeConfig, caps
+    setups: list[Setup], methods, temperatures, base: DecodeConfig, caps, remeasure: bool, drafter_methods
 ) -> dict[str, list[Method]]:
     plans = {}
     for s in setups:
         cost = None
         if any(m in CHOSEN_METHODS for m in methods):
-            cost = cost_model_for(s.target, s.drafters, kernel=base.small_batch_kernel)
-        plans[s.precision] = plan_methods(s.drafters, methods, temperatures, base, s.precision, cost, caps)
+            cost = cost_model_for(s.target, s.drafters, kernel=base.small_batch_kernel, remeasure=remeasure)
+        plans[s.precision] = plan_methods(
+            s.drafters, methods, temperatures, base, s.precision, cost, caps, drafter_methods
+        )
     return plans
 
 
@@ -206,11 +219,14 @@ def run_benchmark(
     repeats: int = 1,
     setups: list[Setup] | None = None,
     chosen_caps: dict | None = None,
+    remeasure_costs: bool = False,
+    drafter_methods: dict | None = None,
 ) -> list[Method]:
     """Run every planned method on every prompt, ``repeats`` times, in every precision (repetitions outer, then
     prompts, then precisions, then methods); returns the raw results. Pass the ``plan`` (and ``setups``) of an
     earlier call to append to it (no new warm-up). ``target``/``drafters`` are the float32 ones; the other
-    precisions are copies (:func:`precision_setups`)."""
+    precisions are copies (:func:`precision_setups`). ``remeasure_costs``: measure the cost models afresh rather
+    than read them from the cache."""
     if not prompts:
         raise ValueError("no prompts to benchmark.")
     if repeats < 1:
@@ -218,7 +234,15 @@ def run_benchmark(
     setups = setups or precision_setups(target, drafters, precisions)
     by_precision = {s.precision: s for s in setups}
     if plan is None:
-        plans = _plan_setups(setups, methods, temperatures, base or DecodeConfig(), chosen_caps)
+        plans = _plan_setups(
+            setups,
+            methods,
+            temperatures,
+            base or DecodeConfig(),
+            chosen_caps,
+            remeasure_costs,
+            drafter_methods,
+        )
         plan = [m for s in setups for m in plans[s.precision]]
         for m in plan:  # untimed warm-up of every code path
             warm = replace(m, cfg=replace(m.cfg, max_new_tokens=4), results=[], reps=[], prompts=[])
@@ -259,14 +283,16 @@ def run_mtbench_benchmark(
     questions = load_mtbench(n_questions)
     tok = target.tokenizer
     repeats = kwargs.pop("repeats", 1)
+    on_repeat = kwargs.pop("on_repeat", None)
     setups = kwargs.pop("setups", None) or precision_setups(
         target, drafters, kwargs.pop("precisions", ("fp32",))
     )
     kwargs.pop("precisions", None)
     first = [chat_prompt_ids(tok, mtbench_messages(q)) for q in questions]
     plan, second = kwargs.pop("plan", None), None
-    for _ in range(repeats):
+    for done in range(1, repeats + 1):
         plan = run_benchmark(target, drafters, first, plan=plan, setups=setups, **kwargs)
+        kwargs.pop("remeasure_costs", None)  # once is enough
         if turns == 2:
             if second is None:
                 stops = set(stop_tokens(None, target.info))
@@ -274,7 +300,9 @@ def run_mtbench_benchmark(
                 answers = [answer_text(tok, r.token_ids, stops) for r in ar.results[: len(questions)]]
                 second = [chat_prompt_ids(tok, mtbench_messages(q, 1, a)) for q, a in zip(questions, answers)]
             plan = run_benchmark(target, drafters, second, plan=plan, setups=setups, **kwargs)
-    _number_repetitions(plan, repeats)
+        _number_repetitions(plan, done)
+        if on_repeat is not None:
+            on_repeat(plan, done)
     return plan
 
 
