@@ -18,7 +18,7 @@ from kvshot_lib.drafters import (
     drafters_for_run,
     resolve_drafter,
 )
-from kvshot_lib.evaluation import Reference, acceptance, replay_greedy, speedup
+from kvshot_lib.evaluation import Reference, acceptance, replay_greedy, runs_table, speedup
 
 
 def _counts(r):
@@ -180,6 +180,39 @@ def test_speedup_table_matches_numbers_worked_out_by_hand():
     assert math.isnan(table.loc[("ar", 0.0), "mat"]) and table.loc[("chain", 0.0), "n_tokens"] == 20
 
 
+def test_speedup_table_summarizes_repetitions_by_hand():
+    """Three repetitions, each of one prompt. Plain decoding: 10 tokens in 1, 2 and 1 s; a chain: 10 tokens in
+    0.5, 0.5 and 1 s. Per repetition the chain's speedup is 2, 4 and 1: median 2, range 1-4; tokens/s 20, 20, 10:
+    median 20, range 10-20. Its cycles (3 per repetition, 1 accepted each) take 0.25 s of drafting, 0.5 of
+    verification and 0.05 of commit in all: 27.8, 55.6 and 5.6 ms a cycle over 9 cycles. Plain decoding spends
+    4 s on 27 decoded tokens (the first of each prompt comes with its prefill, here 0): 148 ms a token, so 1.5x
+    needs MAT 1.5 * 88.9 / 148.1 = 0.9."""
+    greedy = DecodeConfig(mode="ar")
+    ar = speedup.Method(
+        "ar", "-", greedy, [result(10, [], [], [], t) for t in (1.0, 2.0, 1.0)], reps=[0, 1, 2]
+    )
+    chain = speedup.Method(
+        "chain",
+        "x",
+        replace(greedy, mode="chain"),
+        [result(10, [1, 1, 1], [], [], t) for t in (0.5, 0.5, 1.0)],
+    )
+    chain.reps = [0, 1, 2]
+    for r in chain.results:
+        r.draft_s, r.verify_s, r.commit_s = 0.25 / 3, 0.5 / 3, 0.05 / 3
+    table = speedup.speedup_table([ar, chain], machine="hand").set_index("method")
+    row = table.loc["chain"]
+    assert (row["speedup_vs_ar"], row["speedup_min"], row["speedup_max"]) == (2.0, 1.0, 4.0)
+    assert (row["tokens_per_s"], row["tokens_per_s_min"], row["tokens_per_s_max"]) == (20.0, 10.0, 20.0)
+    assert (row["mat"], row["n_reps"], row["n_prompts"], row["n_tokens"]) == (2.0, 3, 1, 30)
+    assert row["draft_ms_per_cycle"] == pytest.approx(250 / 9) and row[
+        "commit_ms_per_cycle"
+    ] == pytest.approx(50 / 9)
+    assert row["mat_for_1_5x"] == pytest.approx(1.5 * (0.8 / 9) / (4.0 / 27))
+    runs = runs_table([ar, chain])
+    assert runs[runs["method"] == "chain"]["speedup_vs_ar"].tolist() == [2.0, 4.0, 1.0]
+
+
 def test_speed_benchmark_table_and_hf_generate_agree_with_our_greedy_loop(llama):
     drafters = {"ngram": resolve_drafter("ngram", llama), "self": SelfDrafter(llama)}
     plan = speedup.run_mtbench_benchmark(
@@ -187,11 +220,13 @@ def test_speed_benchmark_table_and_hf_generate_agree_with_our_greedy_loop(llama)
         drafters,
         1,
         turns=2,
+        methods=speedup.METHODS,
         temperatures=(0.0, 1.0),
         base=DecodeConfig(max_new_tokens=8),
         progress=False,
     )
     assert all(len(m.results) == 2 for m in plan), "one question, two turns, every method"
+    assert not any(m.method == "combined" and m.drafter == "ngram" for m in plan), "lookup joined to itself"
     assert plan[0].results[1].prompt_len > plan[0].results[0].prompt_len + 8, "turn 2 holds the first answer"
     table = speedup.speedup_table(plan, machine="test")
     assert list(table.columns[:7]) == [
@@ -209,6 +244,7 @@ def test_speed_benchmark_table_and_hf_generate_agree_with_our_greedy_loop(llama)
     assert table[table["temperature"] == 1]["exact_match_vs_ar"].isna().all()
     assert "hf_prompt_lookup" not in set(table[table["temperature"] == 1]["method"])
     # the table is the plan's raw results, summed by hand (the formulas: test_speedup_table_matches_...)
+    assert len(table) == len(plan)
     for m, row in zip(plan, table.itertuples()):
         tokens, seconds = sum(len(r.token_ids) for r in m.results), sum(r.total_s for r in m.results)
         assert (row.method, row.drafter, row.n_tokens) == (m.method, m.drafter, tokens)

@@ -91,7 +91,7 @@ class CostModel:
             return {int(k): float(v) for k, v in t.items()}
 
         drafters = {
-            name: DrafterCost(float(c["start_s"]), table(c["expand_s"]))
+            name: DrafterCost(float(c["start_s"]), table(c["expand_s"]) or {1: float(c["start_s"])})
             for name, c in d.get("drafters", {}).items()
         }
         return cls(
@@ -243,7 +243,9 @@ def measure_drafter(
     for s in sessions:
         for n, ts in s.expand_times.items():
             expands[n] += ts
-    return DrafterCost(_low(starts), {n: _low(ts) for n, ts in sorted(expands.items())})
+    start = _low(starts)
+    # a drafter that never expanded here (n-gram lookup finds no match in a random prompt) is charged its start
+    return DrafterCost(start, {n: _low(ts) for n, ts in sorted(expands.items())} or {1: start})
 
 
 # --------------------------------------------------------------------------------------------- the disk cache
