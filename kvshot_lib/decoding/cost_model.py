@@ -12,8 +12,10 @@ measured, not assumed (vLLM profiles each step shape at start-up for the same re
   ``expand_s[n]`` (``expand`` of ``n`` nodes in one call), timed inside real cycles by a :class:`TimedSession`;
   :meth:`CostModel.expand` interpolates them linearly in ``n``.
 
-Every figure is the lower quartile of its repeated timings: on a machine shared with other work the upper ones
-hold the other work's time slices, which no draft shape changes.
+On a machine shared with other work, a timing holds whatever time slices the other work took, so verification
+costs are the *fastest* of their repetitions (12, sizes interleaved) and drafter calls the lower quartile of
+theirs; each table is then made non-decreasing in k (or n) by pooling adjacent violators (isotonic regression):
+a bigger block never costs less, and one lucky or unlucky timing does not bend the shape chooser.
 
 :func:`cost_model_for` loads the entry for (CPU model, torch version, threads, target architecture, dtype) from
 ``<cache>/cost_models.json`` and measures what is missing (about a minute for the target, seconds per drafter);
@@ -125,6 +127,20 @@ def _low(times: list[float]) -> float:
     return sorted(times)[int(QUANTILE * (len(times) - 1))]
 
 
+def monotone(table: dict[int, float]) -> dict[int, float]:
+    """The closest non-decreasing table in the least-squares sense (pool adjacent violators over sorted keys)."""
+    keys = sorted(table)
+    blocks: list[list[float]] = []  # [sum, count] per pooled block
+    for k in keys:
+        blocks.append([table[k], 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    values = [b[0] / b[1] for b in blocks for _ in range(b[1])]
+    return dict(zip(keys, values))
+
+
 def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -133,9 +149,9 @@ def _clock(device: torch.device) -> float:
 
 @torch.inference_mode()
 def measure_verification(
-    target, context: int = 256, sizes=BLOCK_SIZES, reps: int = 8, kernel: bool = True
+    target, context: int = 256, sizes=BLOCK_SIZES, reps: int = 12, kernel: bool = True
 ) -> tuple[dict[int, float], dict[int, float], float]:
-    """Seconds (lower quartile) of a ``k``-token forward (causal, then tree-masked) on a cache of ``context`` random
+    """Seconds (the fastest repetition, made non-decreasing in k) of a ``k``-token forward (causal, then tree-masked) on a cache of ``context`` random
     tokens for every ``k`` in ``sizes``, and the seconds of a commit; sizes interleaved per repetition."""
     model = target.model
     dev = model.device
@@ -174,8 +190,8 @@ def measure_verification(
                     cache.crop(-(cache.get_seq_length() - context))
                     if rep:
                         times[k, tree].append(t1 - t0)
-    chain = {k: _low(times[k, False]) for k in sizes}
-    treed = {k: _low(times[k, True]) for k in sizes}
+    chain = monotone({k: min(times[k, False]) for k in sizes})
+    treed = monotone({k: min(times[k, True]) for k in sizes})
     return chain, treed, _low(commits)
 
 
@@ -245,7 +261,7 @@ def measure_drafter(
             expands[n] += ts
     start = _low(starts)
     # a drafter that never expanded here (n-gram lookup finds no match in a random prompt) is charged its start
-    return DrafterCost(start, {n: _low(ts) for n, ts in sorted(expands.items())} or {1: start})
+    return DrafterCost(start, monotone({n: _low(ts) for n, ts in sorted(expands.items())}) or {1: start})
 
 
 # --------------------------------------------------------------------------------------------- the disk cache

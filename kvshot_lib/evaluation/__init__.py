@@ -40,7 +40,7 @@ from .learning_curves import (
     gap_trends,
 )
 from .specpv_fidelity import FidelityProbe, rouge_l, shadow_full
-from .speed_table import divergences, machine_info, machine_name, runs_table, speedup_table
+from .speed_table import cost_model_table, divergences, machine_info, machine_name, runs_table, speedup_table
 from .speedup import (
     CHOSEN_METHODS,
     FIXED_METHODS,
@@ -70,6 +70,7 @@ __all__ = [
     "METHODS",
     "Method",
     "Setup",
+    "cost_model_table",
     "divergences",
     "precision_setups",
     "runs_table",

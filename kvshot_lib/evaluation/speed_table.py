@@ -8,6 +8,7 @@
   min-max range, phases per cycle, and ``mat_for_1_5x``: the MAT that would make the method's measured cycle
   1.5x faster per token than plain decoding's measured step (decode time only);
 * :func:`machine_info` / :func:`machine_name`: where the numbers were taken, saved with every table;
+* :func:`cost_model_table`: the cost models the chosen shapes used, long form (one row per measured size);
 * :func:`divergences`: for every greedy output that differs from plain decoding's, the first differing position
   and the top-2 logit margin of plain decoding's forward there, in the run's precision and in float32: bf16
   speculative decoding is exact up to near-ties, which this shows rather than assumes.
@@ -250,3 +251,29 @@ def divergences(plan, setups, reference: str = "fp32") -> pd.DataFrame:
                 row["margin_reference"] = _top2(by_precision[reference].target, prefix)[1]
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+def cost_model_table(plan) -> pd.DataFrame:
+    """The cost model of every precision in ``plan`` (the one its chosen shapes used), one row per measured
+    size: ``precision, part (verify_chain | verify_tree | commit | draft_start | draft_expand), drafter, n,
+    seconds, key``."""
+    rows, seen = [], set()
+    for m in plan:
+        cost = m.cfg.speed.cost if m.cfg.speed is not None else None
+        if cost is None or cost.key in seen:
+            continue
+        seen.add(cost.key)
+        base = dict(precision=cost.precision, key=cost.key)
+        for part in ("verify_chain", "verify_tree"):
+            rows += [
+                dict(base, part=part, drafter="-", n=k, seconds=s)
+                for k, s in sorted(getattr(cost, part).items())
+            ]
+        rows.append(dict(base, part="commit", drafter="-", n=0, seconds=cost.commit_s))
+        for name, d in cost.drafters.items():
+            rows.append(dict(base, part="draft_start", drafter=name, n=1, seconds=d.start_s))
+            rows += [
+                dict(base, part="draft_expand", drafter=name, n=n, seconds=s)
+                for n, s in sorted(d.expand_s.items())
+            ]
+    return pd.DataFrame(rows, columns=["precision", "part", "drafter", "n", "seconds", "key"])

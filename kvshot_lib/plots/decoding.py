@@ -1,4 +1,5 @@
-"""Figures of the decoding notebooks: acceptance by draft step (03), MAT by drafter (03), speedup vs MAT (06).
+"""Figures of the decoding notebooks: acceptance by draft step (03), MAT by drafter (03), speedup vs MAT and the
+measured cost model (06).
 
 Each function takes the table its notebook writes (as read back from the saved CSV) and returns a matplotlib
 figure; :mod:`.figures` saves it (PDF + PNG).
@@ -81,41 +82,90 @@ def plot_mat_by_drafter(summary: pd.DataFrame, title: str = "Mean accepted token
     return finish_figure(fig)
 
 
+SPECULATIVE = ("chain", "tree", "chain_chosen", "tree_chosen", "combined")
+_METHOD_MARKERS = {"chain": "o", "tree": "^", "chain_chosen": "s", "tree_chosen": "D", "combined": "*"}
+
+
 def plot_speedup_vs_mat(table: pd.DataFrame, title: str | None = None):
-    """Speedup over our plain decoding against MAT, for chain and tree runs; HF generate baselines (which
-    have no MAT here) as horizontal lines."""
-    fig, ax = plt.subplots(figsize=(PAGE * 0.6, 3.0))
-    spec = table[table["method"].isin(["chain", "tree"])]
+    """Speedup over our plain decoding (same precision, same run) against MAT: one point per speculative method
+    and drafter, filled in bf16 and hollow in float32, with the min-max range over repetitions where the table
+    has one; HF generate baselines (which have no MAT here) as horizontal lines."""
+    fig, ax = plt.subplots(figsize=(PAGE * 0.7, 3.2))
+    precision = table["precision"] if "precision" in table else pd.Series("fp32", index=table.index)
+    spec = table[table["method"].isin(SPECULATIVE)]
     looks = _looks(spec)
-    markers = {"chain": "o", "tree": "^"}
-    for _, r in spec.iterrows():
+    for i, r in spec.iterrows():
+        bf16 = precision[i] != "fp32"
+        color = looks[r["drafter"]]["color"]
+        y = r["speedup_vs_ar"]
+        if "speedup_min" in r and r["speedup_min"] == r["speedup_min"]:
+            ax.errorbar(r["mat"], y, [[y - r["speedup_min"]], [r["speedup_max"] - y]], color=color, lw=0.8)
         ax.scatter(
             r["mat"],
-            r["speedup_vs_ar"],
-            color=looks[r["drafter"]]["color"],
-            marker=markers[r["method"]],
-            s=50,
+            y,
+            marker=_METHOD_MARKERS[r["method"]],
+            s=60 if r["method"] == "combined" else 40,
+            facecolors=color if bf16 else "none",
+            edgecolors=color,
             alpha=1.0 if r["temperature"] == 0 else 0.5,
         )
         ax.annotate(
-            f"{r['drafter']} ({r['method']}, T={r['temperature']:g})",
-            (r["mat"], r["speedup_vs_ar"]),
-            fontsize=5.5,
+            f"{r['drafter']} {r['method']} {precision[i]}",
+            (r["mat"], y),
+            fontsize=5,
             xytext=(4, 3),
             textcoords="offset points",
         )
     for i, (_, r) in enumerate(table[table["method"].str.startswith("hf_")].iterrows()):
+        label = f"{r['method']} {precision[r.name]} (T={r['temperature']:g}): {r['speedup_vs_ar']:.2f}x"
         ax.axhline(
             r["speedup_vs_ar"],
             color=f"C{i + 3}",
             lw=1,
-            ls="--",
-            label=f"{r['method']} (T={r['temperature']:g}): {r['speedup_vs_ar']:.2f}x",
+            ls="--" if precision[r.name] == "fp32" else ":",
+            label=label,
         )
-    ax.axhline(1.0, color="black", lw=0.8, label="plain decoding (ours)")
+    ax.axhline(1.0, color="black", lw=0.8, label="plain decoding (ours), each precision")
+    for method, marker in _METHOD_MARKERS.items():
+        if (spec["method"] == method).any():
+            ax.scatter([], [], marker=marker, facecolors="gray", edgecolors="gray", label=method)
     ax.set_xlabel("MAT τ (tokens per cycle)")
     ax.set_ylabel("speedup vs plain decoding (×, same run)")
     machine = table["machine"].iloc[0] if "machine" in table and len(table) else ""
-    ax.set_title(title or f"End-to-end speedup on {machine}")
-    ax.legend(frameon=False, loc="best")
+    ax.set_title(title or f"End-to-end speedup on {machine} (filled: bf16, hollow: fp32)")
+    ax.legend(frameon=False, loc="best", fontsize=5.5)
+    return finish_figure(fig)
+
+
+def plot_cost_model(costs: pd.DataFrame, title: str = "What one cycle costs: the measured cost model"):
+    """Milliseconds of one target forward over a k-token block (chain: causal; tree: tree mask) for each
+    precision, and each drafter's call costs as dotted levels: from the long-form table
+    ``precision, part, drafter, n, seconds`` that notebook 06 saves."""
+    fig, ax = plt.subplots(figsize=(PAGE * 0.6, 2.8))
+    colors = {p: f"C{i}" for i, p in enumerate(dict.fromkeys(costs["precision"]))}
+    for (p, part), d in costs[costs["part"].isin(["verify_chain", "verify_tree"])].groupby(
+        ["precision", "part"]
+    ):
+        d = d.sort_values("n")
+        style = "-" if part == "verify_chain" else "--"
+        ax.plot(
+            d["n"], 1e3 * d["seconds"], style, color=colors[p], marker=".", label=f"verify {part[7:]}, {p}"
+        )
+    starts = costs[costs["part"] == "draft_start"]
+    for i, r in enumerate(starts.itertuples()):
+        ax.axhline(1e3 * r.seconds, color=colors[r.precision], ls=":", lw=0.8)
+        ax.annotate(
+            f"{r.drafter} draft call, {r.precision}",
+            (1, 1e3 * r.seconds),
+            fontsize=5,
+            xytext=(2, 2 + 6 * (i % 2)),
+            textcoords="offset points",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("block tokens k (root + drafts)")
+    ax.set_ylabel("ms per target forward")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=6)
+    ax.set_title(title)
     return finish_figure(fig)

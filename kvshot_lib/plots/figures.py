@@ -65,6 +65,9 @@ def _speedup_counts(t):
     d = t["speedup.csv"]
     prompts = f"{int(d['n_prompts'].max())} prompts" if "n_prompts" in d else "MT-bench prompts"
     machine = d["machine"].iloc[0] if "machine" in d and len(d) else "this machine"
+    reps = int(d["n_reps"].max()) if "n_reps" in d else 1
+    if reps > 1:
+        return f"each point: {prompts}, median of {reps} interleaved repetitions on {machine} (bars: min-max)"
     return f"each point: {prompts}, one run on {machine}"
 
 
@@ -321,6 +324,18 @@ SPECS = [
         lambda t: decoding.plot_speedup_vs_mat(t["speedup.csv"]),
         {"speedup.csv": ["method", "drafter", "temperature", "speedup_vs_ar", "mat"]},
         _speedup_counts,
+    ),
+    FigureSpec(
+        "06_cost_model",
+        "06_end_to_end_speedup",
+        ("cost_models.csv",),
+        lambda t: decoding.plot_cost_model(t["cost_models.csv"]),
+        {"cost_models.csv": ["precision", "part", "drafter", "n", "seconds"]},
+        lambda t: (
+            f"lower quartile of repeated timings; {t['cost_models.csv']['key'].iloc[0].split('|')[0]}"
+            if "key" in t["cost_models.csv"]
+            else "lower quartile of repeated timings"
+        ),
     ),
     FigureSpec(
         "07_specpv_fidelity",
