@@ -266,28 +266,53 @@ def test_saved_tables_of_notebook_05(smoke_run):
 
 def test_saved_tables_of_notebook_06(smoke_run):
     p = smoke_params("06")
-    drafters = [c.name for c in trained_configs()] + p["baseline_drafters"]
+    trained = [c.name for c in trained_configs()]
+    drafters = trained + p["baseline_drafters"]
     speed = table(
         "speedup",
         ["method", "drafter", "temperature", "tokens_per_s", "speedup_vs_ar", "mat", "exact_match_vs_ar"],
     )
+    precisions = list(dict.fromkeys(speed["precision"]))
+    assert precisions[0] == "fp32" and set(precisions) <= {"fp32", "bf16"}, (
+        "fp32 always, bf16 where the CPU has it"
+    )
+    limited = {k: set(v) for k, v in p["drafter_methods"].items()}
     want = []
-    for t in p["temperatures"]:
-        want.append(("ar", "-", t))
-        for m in p["methods"]:
-            if m in ("chain", "tree"):
-                want += [(m, d, t) for d in drafters]
-            elif m == "hf_generate" or (m == "hf_prompt_lookup" and t == 0):
-                want.append((m, "ngram" if m == "hf_prompt_lookup" else "-", t))
-    assert sorted(zip(speed["method"], speed["drafter"], speed["temperature"])) == sorted(want)
+    for precision in precisions:
+        for t in p["temperatures"]:
+            want.append(("ar", "-", t, precision))
+            for m in p["methods"]:
+                if m in ("chain", "tree", "chain_chosen", "tree_chosen", "combined"):
+                    for d in drafters:
+                        if m in limited.get(d, {m}) and not (m == "combined" and d == "ngram"):
+                            want.append((m, d, t, precision))
+                elif m == "hf_generate" or (m == "hf_prompt_lookup" and t == 0):
+                    want.append((m, "ngram" if m == "hf_prompt_lookup" else "-", t, precision))
+    got = zip(speed["method"], speed["drafter"], speed["temperature"], speed["precision"])
+    assert sorted(got) == sorted(want)
     assert (speed["n_prompts"] == p["n_questions"] * p["turns"]).all()
+    assert (speed["n_reps"] == p["repeats"]).all()
     assert (speed["tokens_per_s"] > 0).all() and (speed["speedup_vs_ar"] > 0).all()
-    greedy = speed[speed["temperature"] == 0]
-    assert (greedy["exact_match_vs_ar"] == 1.0).all(), "at T=0 every method reproduces plain decoding"
-    spec = speed["method"].isin(["chain", "tree"])
+    assert (speed["speedup_min"] <= speed["speedup_vs_ar"]).all() and (
+        speed["speedup_vs_ar"] <= speed["speedup_max"]
+    ).all()
+    greedy32 = speed[(speed["temperature"] == 0) & (speed["precision"] == "fp32")]
+    assert (greedy32["exact_match_vs_ar"] == 1.0).all(), (
+        "at T=0 every float32 method reproduces plain decoding"
+    )
+    spec = speed["method"].isin(["chain", "tree", "chain_chosen", "tree_chosen", "combined"])
     assert (speed.loc[spec, "mat"] >= 1).all() and speed.loc[~spec, "mat"].isna().all()
     assert set(speed.loc[speed["method"].isin(HF_METHODS), "drafter"]) <= {"-", "ngram"}
-    self_chain = greedy.query("method == 'chain' and drafter == 'self'").iloc[0]
+    self_chain = greedy32.query("method == 'chain' and drafter == 'self'").iloc[0]
     if self_chain["n_tokens"] == self_chain["n_prompts"] * p["max_new_tokens"]:  # no stop token
         cycles = all_accepted_cycles(p["max_new_tokens"], p["chain_depth"])
         assert self_chain["mat"] == pytest.approx(sum(a + 1 for a in cycles) / len(cycles))
+    # every greedy divergence (bf16 only) is listed, and the runs table restates the summary's tokens
+    runs = table("speedup_runs", ["method", "drafter", "precision", "rep", "tokens_per_s", "speedup_vs_ar"])
+    assert runs.groupby(["method", "drafter", "precision"])["n_tokens"].sum().sum() == speed["n_tokens"].sum()
+    diverged = table("speedup_divergences", ["method", "drafter", "precision", "position", "margin"])
+    assert set(diverged["precision"]) <= {"bf16"}
+    costs = table("cost_models", ["precision", "part", "drafter", "n", "seconds"])
+    assert set(costs["precision"]) == set(precisions) and (costs["seconds"] > 0).all()
+    for _, d in costs[costs["part"].str.startswith("verify")].groupby(["precision", "part"]):
+        assert set(d["n"]) >= {1, 2, 8, 64} and d.sort_values("n")["seconds"].is_monotonic_increasing

@@ -3,6 +3,13 @@
     kvshot generate --drafter ngram --mode chain --mt-bench 1 --max-new-tokens 64 --json
     kvshot generate --drafter runs/default/drafters/kv-ttt --mode tree --prompt "Why is the sky blue?"
     kvshot generate --drafter ngram --verify partial --budget 512 --full-every 32 [--strict] --long-context 4096
+    kvshot generate --drafter runs/default/drafters/hidden-ttt --mode tree --shape chosen --lookup --precision auto \
+        --mt-bench 1
+
+``--precision`` runs the target and the drafter in float32 (``fp32``, the exact reference) or bf16 (``bf16``;
+``auto``: bf16 where the CPU has AMX-BF16/AVX512-BF16); ``--shape chosen`` picks each cycle's draft shape by
+expected speed under the measured cost model (measured once per machine and precision, then cached);
+``--lookup`` puts prompt lookup's continuation into the drafter's proposal.
 
 Arguments are checked before the target is loaded: an unknown drafter, a drafter path that is not a
 checkpoint folder, a drafter with ``--mode ar`` (or none with chain/tree), a negative temperature, or a
@@ -17,8 +24,9 @@ import json
 import sys
 from pathlib import Path
 
-from ..drafters.baselines import BASELINES, is_baseline_name, resolve_drafter
-from .cycle import MODES, DecodeConfig
+from ..drafters.baselines import BASELINES, drafter_for_target, is_baseline_name, resolve_drafter
+from ..target.precision import DECODE_PRECISIONS
+from .cycle import MODES, SHAPES, DecodeConfig
 from .dispatch import generate
 from .specpv import SpecPVConfig
 
@@ -50,6 +58,9 @@ def add_cli(sub) -> None:
     g.add_argument(
         "--mode", default=None, choices=MODES, help="default: ar without a drafter, chain with one"
     )
+    g.add_argument("--precision", default="fp32", choices=DECODE_PRECISIONS, help="fp32, bf16, or auto")
+    g.add_argument("--shape", default="fixed", choices=SHAPES, help="chosen: by expected tokens per second")
+    g.add_argument("--lookup", action="store_true", help="prompt lookup joins the drafter's proposal")
     pv = g.add_argument_group("partial verification (SpecPV)")
     pv.add_argument(
         "--verify", default="full", choices=("full", "partial"), help="partial: verify on a partial KV cache"
@@ -164,11 +175,26 @@ def _cli_generate(args) -> int:
         raise SystemExit(
             f"kvshot: --long-context takes a prompt length in tokens (>= 64), got {args.long_context}."
         )
+    if mode == "ar" and (args.shape != "fixed" or args.lookup):
+        raise SystemExit(
+            "kvshot: --shape chosen and --lookup shape a drafter's proposal; plain decoding has none."
+        )
     check_drafter_spec(args.drafter)
     cfg = decode_config(args, mode)
     partial = partial_config(args)
     target = load_cli_target(args)
     drafter = resolve_drafter(args.drafter, target, args.seed)
+    target, drafter = _in_precision(target, drafter, args.precision)
+    if args.shape == "chosen" or args.lookup:
+        from dataclasses import replace
+
+        speed = None
+        if args.shape == "chosen":
+            from .cost_model import cost_model_for
+            from .shapes import SpeedModel
+
+            speed = SpeedModel(cost_model_for(target, {args.drafter: drafter}), args.drafter)
+        cfg = replace(cfg, shape=args.shape, lookup=args.lookup, speed=speed).validate()
     tok = target.tokenizer
     if args.mt_bench is not None:
         from ..corpus import chat_prompt_ids, load_mtbench, mtbench_messages
@@ -220,6 +246,17 @@ def _cli_generate(args) -> int:
             summary += f", {out.n_partial} partial / {out.n_full} full passes, {len(out.rollbacks)} rollbacks"
         print(summary + (f", MAT {mat:.2f}]" if out.n_cycles else "]"), file=sys.stderr)
     return 0
+
+
+def _in_precision(target, drafter, precision: str):
+    """The target cast to ``precision`` (a copy unless it is in that dtype already) and the drafter bound to it."""
+    from ..target import cast_target, decode_dtype
+
+    dtype = decode_dtype(precision, target.info.device)
+    cast = cast_target(target, dtype)
+    if cast is target:
+        return target, drafter
+    return cast, drafter_for_target(drafter, cast, dtype)
 
 
 def _partial_fields(out) -> dict:

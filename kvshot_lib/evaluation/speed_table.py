@@ -250,7 +250,22 @@ def divergences(plan, setups, reference: str = "fp32") -> pd.DataFrame:
             if reference in by_precision and reference != m.precision:
                 row["margin_reference"] = _top2(by_precision[reference].target, prefix)[1]
             rows.append(row)
-    return pd.DataFrame(rows)
+    columns = [
+        "method",
+        "drafter",
+        "precision",
+        "shape",
+        "lookup",
+        "result",
+        "position",
+        "plain_token",
+        "other_token",
+        "top_logit",
+        "margin",
+        "margin_bf16_spacings",
+        "margin_reference",
+    ]
+    return pd.DataFrame(rows, columns=columns)
 
 
 def cost_model_table(plan) -> pd.DataFrame:
