@@ -173,3 +173,16 @@ def test_a_chosen_shape_without_a_speed_model_is_refused():
         DecodeConfig(mode="tree", shape="chosen").validate()
     with pytest.raises(ValueError, match="shape must be one of"):
         DecodeConfig(shape="fast").validate()
+
+
+def test_a_declining_drafter_drafts_nothing_in_a_chosen_tree(llama):
+    """Prompt lookup without a match returns all -inf logits: a chosen tree then holds no node (not NaN values)."""
+    ngram = NgramDrafter(llama.info.vocab_size)
+    speed = SpeedModel(synthetic_cost("ngram"), "ngram")
+    cfg = DecodeConfig(mode="tree", shape="chosen", speed=speed, max_new_tokens=6, stop_token_ids=())
+    out = generate(llama, list(range(100, 130)), cfg, ngram)  # no bigram repeats
+    ref = autoregressive_generate(
+        llama, list(range(100, 130)), DecodeConfig(mode="ar", max_new_tokens=6, stop_token_ids=())
+    )
+    assert out.token_ids == ref.token_ids and out.drafted_per_cycle[0] == 0  # 129 is never followed earlier
+    assert all(v == v for v in speed.acceptance.seen.values())

@@ -38,6 +38,7 @@ from .cycle import DecodeConfig, keep_block_positions
 from .engine import speculative_generate
 from .kernels import small_batch_linear
 
+FORMAT = "costs/2"  # in every key: entries measured another way are measured again
 QUANTILE = 0.25
 BLOCK_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 EXPAND_WIDTHS = (1, 2, 4, 8)
@@ -270,7 +271,7 @@ def measure_drafter(
 def cost_key(target, kernel: bool = True) -> str:
     dtype = next(target.model.parameters()).dtype
     return (
-        f"{cpu_model() if target.model.device.type == 'cpu' else torch.cuda.get_device_name()}|torch {torch.__version__}"
+        f"{FORMAT}|{cpu_model() if target.model.device.type == 'cpu' else torch.cuda.get_device_name()}|torch {torch.__version__}"
         f"|{torch.get_num_threads()} threads|{target.info.name} {target.info.fingerprint}|{precision_label(dtype)}"
         f"|kernel {kernel}"
     )

@@ -127,8 +127,8 @@ def _add_children(
     vals, idx = q.topk(min(k, q.shape[-1]))  # [k]
     added = []
     for p, j in zip(vals.tolist(), idx.tolist()):
-        if p <= 0:
-            continue
+        if not p > 0:
+            continue  # impossible, or NaN where the drafter declined (all logits -inf)
         v = value * acc.rate(source, depth, p)
         added.append(tree.add(_to_target(j, d2t), parent, depth, p, source, v))
     return added

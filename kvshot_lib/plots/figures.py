@@ -332,7 +332,7 @@ SPECS = [
         lambda t: decoding.plot_cost_model(t["cost_models.csv"]),
         {"cost_models.csv": ["precision", "part", "drafter", "n", "seconds"]},
         lambda t: (
-            f"lower quartile of repeated timings; {t['cost_models.csv']['key'].iloc[0].split('|')[0]}"
+            f"lower quartile of repeated timings; {t['cost_models.csv']['key'].iloc[0].split('|')[1]}"
             if "key" in t["cost_models.csv"]
             else "lower quartile of repeated timings"
         ),
