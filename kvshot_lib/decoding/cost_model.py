@@ -38,7 +38,7 @@ from .cycle import DecodeConfig, keep_block_positions
 from .engine import speculative_generate
 from .kernels import small_batch_linear
 
-FORMAT = "costs/2"  # in every key: entries measured another way are measured again
+FORMAT = "costs/3"  # in every key: entries measured another way are measured again
 QUANTILE = 0.25
 BLOCK_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 EXPAND_WIDTHS = (1, 2, 4, 8)

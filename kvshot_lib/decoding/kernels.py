@@ -6,9 +6,10 @@ single-row gemv; the same product computed as ``(W @ x.T).T`` costs 1.1-1.6x for
 weight shapes, and some row counts are cheaper than smaller ones (4 rows beat 3). Which way wins
 depends on the machine, the weight shape and the row count, so :func:`linear_plan` times both
 kernels once per (shape, dtype) for 1-8 rows and picks, for each row count, the fastest
-(kernel, padded row count) pair: e.g. 3 rows may run as 4 with a zero row. In bf16 on an AVX512-BF16 CPU the
-one-row product (gemv) of some shapes is several times slower than two rows, so plain decoding pads its single
-row too: the baseline of every speedup gets the same kernels as verification. :func:`small_batch_linear`
+(kernel, padded row count) pair: e.g. 3 rows may run as 4 with a zero row. Plain decoding runs its single row
+through the same plan as verification runs its blocks, so the baseline of every speedup gets the same kernels.
+Float32 weights only: on the development CPU the bf16 plans (oneDNN) measured on a shared machine made plain
+bf16 decoding ~10% slower than ``F.linear`` and Hugging Face's ``generate``, so bf16 keeps ``F.linear``. :func:`small_batch_linear`
 patches each ``nn.Linear`` of a model to follow that plan. Results differ from ``F.linear`` only in
 floating-point summation order. CPU only; a no-op elsewhere. Patches are removed in ``finally``.
 Plans (about 5 s to measure for SmolLM2's five shapes) are cached on disk per CPU model, torch
@@ -118,14 +119,15 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def small_batch_linear(*modules: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
-    """Within the block, every CPU ``nn.Linear`` of ``modules`` uses the faster kernel for 1-8 rows."""
+    """Within the block, every float32 CPU ``nn.Linear`` of ``modules`` uses the faster kernel for 1-8 rows."""
     patched = []
     try:
         if enabled:
             for module in modules:
                 for lin in module.modules() if isinstance(module, torch.nn.Module) else ():
                     plain = type(lin) is torch.nn.Linear  # not a quantized subclass
-                    if plain and lin.weight.device.type == "cpu" and "forward" not in lin.__dict__:
+                    fp32 = lin.weight.dtype == torch.float32  # bf16: F.linear (see the module docstring)
+                    if plain and fp32 and lin.weight.device.type == "cpu" and "forward" not in lin.__dict__:
                         plan = linear_plan(lin.weight)
                         if plan:
                             lin._kvshot_plan = plan
