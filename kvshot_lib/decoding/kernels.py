@@ -126,8 +126,8 @@ def small_batch_linear(*modules: torch.nn.Module, enabled: bool = True) -> Itera
             for module in modules:
                 for lin in module.modules() if isinstance(module, torch.nn.Module) else ():
                     plain = type(lin) is torch.nn.Linear  # not a quantized subclass
-                    fp32 = lin.weight.dtype == torch.float32  # bf16: F.linear (see the module docstring)
-                    if plain and fp32 and lin.weight.device.type == "cpu" and "forward" not in lin.__dict__:
+                    fp32 = plain and lin.weight.dtype == torch.float32  # bf16: F.linear (module docstring)
+                    if fp32 and lin.weight.device.type == "cpu" and "forward" not in lin.__dict__:
                         plan = linear_plan(lin.weight)
                         if plan:
                             lin._kvshot_plan = plan
