@@ -103,9 +103,8 @@ class TrainConfig:
     data_source: str = (
         "store"  # "store": a feature store; "online": the target runs in the loop on a tokenized split
     )
-    init_from: str | None = (
-        None  # a checkpoint folder whose parameters of the same name and shape start this drafter
-    )
+    init_from: str | None = None  # a checkpoint folder whose same-named parameters start this drafter, or
+    # "target": a KV-only drafter's attention from the target layers whose KV it reads (drafters/target_init.py)
     early_stop_patience: int = (
         0  # stop after this many held-out evaluations without a better acceptance (0 = off)
     )
@@ -173,6 +172,10 @@ class TrainConfig:
             bad("early stopping needs held-out evaluations: set eval_every > 0.")
         if self.max_seconds is not None and not self.max_seconds > 0:
             bad(f"max_seconds must be > 0 (or None), got {self.max_seconds}.")
+        if self.init_from == "target" and self.paradigm != "kv":
+            bad(
+                f"init_from='target' initializes a KV-only drafter's attention; got paradigm {self.paradigm!r}."
+            )
         if self.kv_recency < 0:
             bad(f"kv_recency must be >= 0 (0 = no recency bias), got {self.kv_recency}.")
         self._validate_block(bad)

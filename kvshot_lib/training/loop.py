@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..drafters import build_drafter, drafter_config_for, load_drafter
+from ..drafters import build_drafter, drafter_config_for, init_attention_from_target, load_drafter
 from ..drafters.checkpoint import CONFIG_FILE, save_drafter
 from ..drafters.vocab import count_tokens, draft_vocab_from_counts
 from ..target.precision import autocast, machine_record, resolve_precision
@@ -282,7 +282,9 @@ def new_drafter(target, train_store, eval_store, cfg: TrainConfig, d2t: torch.Te
             raise ValueError(f"The {what} feature store does not fit drafter {cfg.name!r}: {e}") from None
     d2t = build_draft_vocab(train_store, target, dcfg.draft_vocab_size) if d2t is None else d2t
     drafter = build_drafter(dcfg, target, d2t.cpu(), seed=cfg.seed)
-    if cfg.init_from:
+    if cfg.init_from == "target":  # the KV drafter's attention from the target layers it reads
+        drafter.cfg.extra["init_from"] = init_attention_from_target(drafter, target)
+    elif cfg.init_from:
         drafter.cfg.extra["init_from"] = init_from_checkpoint(drafter, cfg.init_from, target)
     return drafter
 
