@@ -196,8 +196,9 @@ def test_full_cache_equals_a_fresh_prefill_after_every_full_pass(llama, strict):
         fresh = DynamicCache(config=llama.model.config)
         llama.model(input_ids=committed, past_key_values=fresh, use_cache=True)
         assert cache.get_seq_length() == committed.shape[1]
-        for a, b in zip(cache.layers, fresh.layers):
-            assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+        for a, b in zip(cache.layers, fresh.layers):  # ~2e-5 apart (blocks of other sizes sum in another
+            # order); a position verified only partially is off by 1e-2 or more
+            assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
         checked.append(committed.shape[1])
 
     cfg = DecodeConfig(mode="chain", max_new_tokens=40, stop_token_ids=(), chain_depth=3)

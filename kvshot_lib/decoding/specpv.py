@@ -204,6 +204,7 @@ def _specpv(target, drafter, prompt_ids, cfg, pv, on_partial, on_full, prefill) 
     partial: PartialKVCache | None = None  # None: the next pass is a full one
     F = T  # exact K/V in the full cache: positions 0..F-1
     q_partial: list[Tensor] = []  # strict, temperature > 0: the partial distribution of tokens F+1..P
+    rewritten_from: int | None = None  # first position a full pass re-fed since the drafter last drafted
     while True:
         P = T + len(result.token_ids) - 1  # the root's position
         check_only = False
@@ -219,14 +220,17 @@ def _specpv(target, drafter, prompt_ids, cfg, pv, on_partial, on_full, prefill) 
         t_draft = time.perf_counter()
         tree = DraftTree()
         if cap > 0 and session is not None:
-            view = TargetView(cache=full if P == F else PendingView(full, partial), hidden=hidden)
+            cache = full if P == F else PendingView(full, partial)
+            view = TargetView(cache=cache, hidden=hidden, rewritten_from=rewritten_from)
             tree = draft_cycle(session, cfg, committed[:, : P + 1], view, cap, gen)
             session.end_cycle()
-            hidden = {}
+            hidden, rewritten_from = {}, None
         t_verify = time.perf_counter()
         result.draft_s += t_verify - t_draft
         if use_full:
             n_pend = P - F
+            if n_pend:  # re-fed: their exact K/V replace the partial pass's, which a drafter may have read
+                rewritten_from = F if rewritten_from is None else min(rewritten_from, F)
             block, positions, mask = full_block(F, committed[:, F : P + 1], tree, mask_dtype, dev)
             refresh = not check_only and (P + 1 > pv.budget or pv.always_partial)
             with capture(

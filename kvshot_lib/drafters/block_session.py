@@ -66,7 +66,7 @@ class BlockDraftSession:
         committed = committed.to(d.head.device)
         P = self.P = committed.shape[1] - 1
         if self.tgt:
-            self._ingest_target(view.cache, P)
+            self._ingest_target(view.cache, P, getattr(view, "rewritten_from", None))
         if self.own:
             self._ingest_hidden(view.hidden, P)
         positions = torch.arange(P, P + self.K + 1, device=d.head.device)  # [K+1]
@@ -94,13 +94,15 @@ class BlockDraftSession:
 
     # ----------------------------------------------------------------------------------------- internals
 
-    def _ingest_target(self, cache, P: int) -> None:
+    def _ingest_target(self, cache, P: int, rewritten_from: int | None = None) -> None:
         d, layers = self.d, self.d.cfg.kv_layers
         have = cache.layers[layers[0]].keys.shape[2]
         if have < P:
             raise ValueError(
                 f"block drafter session: the target cache holds {have} positions, the contract says {P}."
             )
+        if rewritten_from is not None:  # SpecPV re-fed these positions: drop their partial-pass K/V
+            self.n_tgt = min(self.n_tgt, rewritten_from)
         a = 0 if self.n_tgt > P else self.n_tgt  # a shorter context than before: a new one, read it all
         if a == P:
             return

@@ -108,7 +108,7 @@ class TrainedDraftSession:
         P = committed.shape[1] - 1
         self.P, self.n_nodes, self._mode = P, 0, "context"
         if d.cfg.uses_target_kv:
-            self._ingest_target(view.cache, P)
+            self._ingest_target(view.cache, P, getattr(view, "rewritten_from", None))
         if d.cfg.uses_hidden or d.cfg.own_context:
             if d.cfg.uses_hidden:
                 feats = torch.cat(
@@ -196,7 +196,7 @@ class TrainedDraftSession:
 
     # ----------------------------------------------------------------------------------------- internals
 
-    def _ingest_target(self, cache, P: int) -> None:
+    def _ingest_target(self, cache, P: int, rewritten_from: int | None = None) -> None:
         d = self.d
         layers = d.cfg.kv_layers
         have = cache.layers[layers[0]].keys.shape[2]
@@ -204,6 +204,8 @@ class TrainedDraftSession:
             raise ValueError(
                 f"drafter session: the target cache holds {have} positions, the contract says {P}."
             )
+        if rewritten_from is not None:  # SpecPV re-fed these positions: drop their partial-pass K/V
+            self.n_tgt = min(self.n_tgt, rewritten_from)
         if self.n_tgt > P:
             self.n_tgt = 0  # a new context: re-read everything
         if self.n_tgt == P:
