@@ -102,8 +102,18 @@ def power_against_shift(joint: dict, n_runs: int, shift: float = 0.05) -> float:
     """Power of the test below against moving ``shift`` of probability between the two most likely outcomes."""
     p = sorted(joint.values(), reverse=True)
     cells = len(pooled(joint, n_runs)) + (len(pooled(joint, n_runs)) < len(joint))
+    if cells < 2:
+        return 0.0  # one cell: nothing to test
     noncentrality = n_runs * shift**2 * (1 / p[0] + 1 / p[1])
     return float(ncx2.sf(chi2.isf(STRICT, cells - 1), cells - 1, noncentrality))
+
+
+def runs_for_power(joint: dict, power: float, shift: float = 0.05, step: int = 10) -> int:
+    """The smallest number of runs (a multiple of ``step``) whose test has ``power`` against ``shift``."""
+    n = step
+    while power_against_shift(joint, n, shift) < power:
+        n += step
+    return n
 
 
 def assert_follows(counts: dict, joint: dict, n_runs: int) -> None:
