@@ -19,8 +19,6 @@ the bookkeeping under test.
 import pytest
 import torch
 from test_decoding_sampling import (
-    N_TOKENS,
-    SAMPLED,
     TOP_K,
     VOCAB,
     assert_follows,
@@ -34,6 +32,8 @@ from kvshot_lib.drafters import SelfDrafter
 
 PROMPT = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(4)).tolist()
 PARTIAL = dict(budget=12, sink=4, window=4, block_size=4, full_every=2)
+N_TOKENS = 4
+SAMPLED = dict(temperature=1.0, top_k=TOP_K, max_new_tokens=N_TOKENS, stop_token_ids=())
 
 
 @pytest.mark.parametrize("mode", ["ar", "chain"])
