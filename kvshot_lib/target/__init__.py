@@ -21,6 +21,7 @@ from .loading import (
     TargetLoadError,
     load_target,
     smollm2_tokenizer,
+    target_architecture,
 )
 
 __all__ = [
@@ -40,4 +41,5 @@ __all__ = [
     "decoder_layers",
     "load_target",
     "smollm2_tokenizer",
+    "target_architecture",
 ]
