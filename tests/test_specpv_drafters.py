@@ -47,20 +47,16 @@ def target_reader(target, name: str):
 
 
 class ExactContextCheck:
-    """Wraps a drafter's sessions: at every cycle, the session's root logits are compared with a fresh
-    session's given the exact K/V and hidden states of the committed tokens (a plain forward). Records
-    ``(view kind, relative difference)``: ``"full"`` when the view is the full cache (right after a full
-    pass), ``"pending"`` when it holds partially verified positions."""
+    """The drafter as the engine sees it (a SessionFactory) whose sessions check themselves: at every cycle,
+    the session's root logits are compared with a fresh session's given the exact K/V and hidden states of
+    the committed tokens (a plain forward). Records ``(view kind, relative difference)``: ``"full"`` when the
+    view is the full cache (right after a full pass), ``"pending"`` when it holds partially verified tokens."""
 
     def __init__(self, target, drafter):
-        self.target, self.drafter, self.rows = target, drafter, []
-        self.new_session = drafter.new_session  # the real one, for the fresh reference sessions
+        self.target, self.drafter, self.name, self.rows = target, drafter, drafter.name, []
 
-    def __getattr__(self, name):
-        return getattr(self.drafter, name)
-
-    def session(self):
-        session = self.new_session()
+    def new_session(self):
+        session = self.drafter.new_session()
         start = session.start_cycle
 
         def checked(committed, view):
@@ -71,23 +67,14 @@ class ExactContextCheck:
                     input_ids=committed[:, :P], use_cache=True, output_hidden_states=True
                 )
                 hidden = {layer: out.hidden_states[layer + 1] for layer in session.hidden_layers}
-                want = self.new_session().start_cycle(committed, TargetView(out.past_key_values, hidden))
+                fresh = self.drafter.new_session()
+                want = fresh.start_cycle(committed, TargetView(out.past_key_values, hidden))
             diff = ((logits - want).abs().max() / want.abs().max()).item()
             self.rows.append(("full" if isinstance(view.cache, DynamicCache) else "pending", diff))
             return logits
 
         session.start_cycle = checked
         return session
-
-
-class Checked:
-    """The drafter as the engine sees it (a SessionFactory), with :class:`ExactContextCheck` sessions."""
-
-    def __init__(self, check: ExactContextCheck):
-        self.check, self.name = check, check.drafter.name
-
-    def new_session(self):
-        return self.check.session()
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +87,7 @@ def prompt():
 def test_after_a_full_pass_the_drafter_sees_the_exact_context(llama, prompt, name, strict):
     check = ExactContextCheck(llama, target_reader(llama, name))
     cfg = DecodeConfig(mode="chain", max_new_tokens=NEW, stop_token_ids=(), chain_depth=3)
-    out = specpv_generate(
-        llama, Checked(check), prompt, cfg, SpecPVConfig(full_every=6, strict=strict, **SMALL)
-    )
+    out = specpv_generate(llama, check, prompt, cfg, SpecPVConfig(full_every=6, strict=strict, **SMALL))
     kinds = [k for k, _ in check.rows]
     after_partial = [d for (k, d), prev in zip(check.rows[1:], kinds) if k == "full" and prev == "pending"]
     assert out.n_partial > 0 and len(after_partial) >= 2, "premise: full passes that follow partial ones"
