@@ -10,8 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..decoding.cli import check_drafter_spec, decode_args, decode_config, load_cli_target
-from ..drafters import resolve_drafter
+from ..decoding.cli import check_drafter_spec, decode_args, decode_config, load_cli_drafter, load_cli_target
 from . import speedup
 
 
@@ -30,18 +29,20 @@ def add_cli(sub) -> None:
 
 
 def _cli_bench(args) -> int:
-    for spec in args.drafters:
-        check_drafter_spec(spec)
     if not 1 <= args.n_questions <= 80:
-        raise SystemExit("kvshot: --n-questions must be in 1..80.")
+        raise SystemExit(
+            f"kvshot: --n-questions takes a number of MT-bench questions in 1..80, got {args.n_questions}."
+        )
     base = decode_config(args, "chain")
     for t in args.temperatures:
         decode_config(argparse.Namespace(**{**vars(args), "temperature": t}), "chain")
     bad = [m for m in args.methods if m not in speedup.METHODS]
     if bad:
         raise SystemExit(f"kvshot: unknown methods {bad}; choose from {speedup.METHODS}.")
+    for spec in args.drafters:
+        check_drafter_spec(spec, args.target)
     target = load_cli_target(args)
-    drafters = {spec: resolve_drafter(spec, target, args.seed) for spec in args.drafters}
+    drafters = {spec: load_cli_drafter(spec, target, args.seed) for spec in args.drafters}
     plan = speedup.run_mtbench_benchmark(
         target,
         drafters,

@@ -23,6 +23,7 @@ from .loading import (
     TargetLoadError,
     load_target,
     smollm2_tokenizer,
+    target_architecture,
 )
 from .precision import (
     PRECISIONS,
@@ -58,4 +59,5 @@ __all__ = [
     "machine_record",
     "resolve_precision",
     "smollm2_tokenizer",
+    "target_architecture",
 ]

@@ -53,6 +53,24 @@ class EarlyStopping:
         self.bad_evals += 1
         return bool(self.patience) and self.bad_evals >= self.patience
 
+    def state_dict(self) -> tuple[dict, dict]:
+        """What a resumed run needs to take the same decisions: (the counters and the best evaluation, JSON;
+        the best parameters, tensors). Saved with the training state (:mod:`.state`)."""
+        meta = dict(
+            best_value=self.best_value,
+            best_step=self.best_step,
+            best_eval=self.best_eval,
+            bad_evals=self.bad_evals,
+            has_best_state=self.best_state is not None,
+        )
+        return meta, dict(self.best_state or {})
+
+    def load_state_dict(self, meta: dict, best_state: dict) -> None:
+        """Restore what :meth:`state_dict` gave (patience, metric and min_delta come from the config)."""
+        self.best_value, self.best_step = float(meta["best_value"]), int(meta["best_step"])
+        self.best_eval, self.bad_evals = dict(meta["best_eval"]), int(meta["bad_evals"])
+        self.best_state = {k: v.cpu() for k, v in best_state.items()} if meta["has_best_state"] else None
+
     def restore(self, drafter) -> bool:
         """Load the best state into ``drafter`` (True if there was one to load)."""
         if self.best_state is None:

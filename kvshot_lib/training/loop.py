@@ -164,7 +164,8 @@ def train_drafter(
     drafter = new_drafter(target, train_store, eval_store, cfg, d2t)
     acc = accelerator or make_accelerator(cfg, target.info.device)
     optimizer = build_optimizer(drafter, cfg)
-    start, logs, seconds = _resume_point(out, cfg, drafter, optimizer, resume)
+    stopper = EarlyStopping(cfg.early_stop_patience, cfg.early_stop_metric)
+    start, logs, seconds = _resume_point(out, cfg, drafter, optimizer, stopper, resume)
     for group in optimizer.param_groups:
         group.setdefault("base_lr", group["lr"])
     objective, optimizer = acc.prepare(Objective(drafter, cfg, precision), optimizer)
@@ -175,7 +176,6 @@ def train_drafter(
     evals = eval_set or build(
         eval_store, drafter.cfg, target, cfg.eval_sequences, cfg.batch_size, cfg.max_tokens
     )
-    stopper = EarlyStopping(cfg.early_stop_patience, cfg.early_stop_metric)
     stop_reason = ""
     budgets = curve_steps(cfg.train_steps, cfg.curve_points)
 
@@ -224,7 +224,8 @@ def train_drafter(
             break
         if acc.is_main_process and cfg.save_every and (step + 1) % cfg.save_every == 0:
             seconds = time.perf_counter() - t_start
-            save_train_state(out, drafter, optimizer, step + 1, cfg.as_dict(), {**logs, "_seconds": seconds})
+            state_logs = {**logs, "_seconds": seconds}
+            save_train_state(out, drafter, optimizer, step + 1, cfg.as_dict(), state_logs, stopper)
         acc.wait_for_everyone()
     bar.close()
     seconds = time.perf_counter() - t_start
@@ -289,12 +290,15 @@ def new_drafter(target, train_store, eval_store, cfg: TrainConfig, d2t: torch.Te
     return drafter
 
 
-def _resume_point(out: Path, cfg: TrainConfig, drafter, optimizer, resume: bool) -> tuple[int, dict, float]:
-    """(first step, logs so far, seconds so far): from the saved state of the same config, or a fresh start."""
+def _resume_point(
+    out: Path, cfg: TrainConfig, drafter, optimizer, stopper: EarlyStopping, resume: bool
+) -> tuple[int, dict, float]:
+    """(first step, logs so far, seconds so far): from the saved state of the same config, or a fresh start.
+    The drafter, the optimizer and the early-stopping state are restored in place."""
     meta = read_train_state(out) if resume else None
     if meta is None or meta["config"] != cfg.as_dict():
         return 0, {name: [] for name in LOG_TABLES}, 0.0
-    meta = load_train_state(out, drafter, optimizer)  # restores the drafter and optimizer in place
+    meta = load_train_state(out, drafter, optimizer, stopper)
     logs = meta["logs"]
     return meta["step"], logs, logs.pop("_seconds", 0.0)
 
