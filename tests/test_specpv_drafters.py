@@ -9,7 +9,7 @@ Llama with a small budget (so partial and full differ), at every cycle that foll
 * the drafter's root logits equal those of a fresh session given the exact cache and hidden states of the
   committed tokens (a session that kept the partial pass's K/V of the re-fed positions does not);
 * strict mode reproduces plain greedy decoding where ``specpv`` mode drifts, with rollbacks, and a shared
-  prefill (:func:`prefill_prompt`) gives the same output as prefilling in the generation.
+  prefill (:meth:`Prefill.run`) gives the same output as prefilling in the generation.
 """
 
 import pytest
@@ -18,9 +18,9 @@ from transformers import DynamicCache
 
 from kvshot_lib.decoding import (
     DecodeConfig,
+    Prefill,
     SpecPVConfig,
     autoregressive_generate,
-    prefill_prompt,
     specpv_generate,
 )
 from kvshot_lib.drafters import TargetView, build_drafter, drafter_config_for
@@ -110,7 +110,7 @@ def test_strict_mode_with_target_readers_is_plain_decoding(llama, prompt, name):
     strict = specpv_generate(llama, drafter, prompt, cfg, pv)
     assert strict.token_ids == ref.token_ids and strict.rollbacks and strict.n_partial > 0
     layers = tuple(drafter.new_session().hidden_layers)
-    shared = prefill_prompt(llama, prompt, layers)
+    shared = Prefill.run(llama, prompt, layers)
     again = specpv_generate(llama, drafter, prompt, cfg, pv, prefill=shared)
     assert again.token_ids == strict.token_ids and again.accepted_per_cycle == strict.accepted_per_cycle
     assert again.rollbacks == strict.rollbacks and again.cycle_kind == strict.cycle_kind

@@ -27,7 +27,7 @@ from test_decoding_sampling import (
     small,  # noqa: F401 (the fixture)
 )
 
-from kvshot_lib.decoding import DecodeConfig, SpecPVConfig, prefill_prompt, specpv_generate
+from kvshot_lib.decoding import DecodeConfig, Prefill, SpecPVConfig, specpv_generate
 from kvshot_lib.drafters import SelfDrafter
 
 PROMPT = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -41,7 +41,7 @@ def test_strict_mode_follows_the_full_distribution_under_sampling(small, mode): 
     joint = exact_joint(small, PROMPT, N_TOKENS, 1.0, TOP_K)
     n_runs = runs_for_power(joint, 0.8)
     drafter = SelfDrafter(small, noise=0.6) if mode == "chain" else None
-    pre = prefill_prompt(small, PROMPT)  # shared by every run
+    pre = Prefill.run(small, PROMPT)  # shared by every run
     pv = SpecPVConfig(strict=True, **PARTIAL)
     counts, rollbacks, partial, accepted, drafted = dict.fromkeys(joint, 0), 0, 0, 0, 0
     for seed in range(n_runs):
