@@ -508,7 +508,7 @@ def test_saved_tables_of_notebook_07(smoke_run):
     assert set(speed["drafter"]) == set(run["drafters"]) and set(speed["method"]) == {
         "ar",
         "lossless",
-        *p["speed_modes"],
+        *p["speed_variants"],
     }
     exact = speed[speed["method"].isin(["lossless", "strict"])]
     assert (exact["exact_match_vs_ar"] == 1.0).all(), "lossless and strict decoding reproduce plain decoding"

@@ -198,6 +198,7 @@ def test_run_probes_end_to_end_on_a_tiny_target(tiny_llama, monkeypatch):
         layers=(3,),
         n_train_docs=3,
         n_test_docs=2,
+        mixed_precision="no",  # the table's values are recomputed below in float32
         offset=40,
         max_len=48,
         anchors_per_doc=8,
