@@ -104,6 +104,17 @@ def plateau(evals: list[dict], fraction: float = 0.2, tol: float = 0.01, metric:
     )
 
 
+def plateau_step(evals: list[dict], tol: float, fraction: float = 0.25, min_evals: int = 4) -> int | None:
+    """The step of the first held-out evaluation at which acc_0 had moved by less than ``tol`` over the last
+    ``fraction`` of the steps (:func:`plateau`), among runs of at least ``min_evals`` evaluations; None if none
+    has. Training to a plateau ends its stable phase there (``training/curves.py``)."""
+    rows = sorted((r for r in evals if "acc_0" in r and not _restored(r)), key=lambda r: r["step"])
+    for i in range(min_evals - 1, len(rows)):
+        if plateau(rows[: i + 1], fraction, tol)["plateaued"]:
+            return int(rows[i]["step"])
+    return None
+
+
 def _restored(row: dict) -> bool:
     """A row the loop appended after restoring the best state (a copy of an earlier evaluation)."""
     v = row.get("restored_from_step")
