@@ -77,7 +77,9 @@ class Plan:
     budget: dict = field(default_factory=dict)  # token_passes: the cap of every row
     checkpoints: dict = field(default_factory=dict)  # max_file_mb, max_total_mb
     notebooks: dict = field(default_factory=dict)  # parameters of the profile's notebooks in the run
-    comparisons: list = field(default_factory=list)  # [(drafter, minus)]: gaps by budget beside the standard ones
+    comparisons: list = field(
+        default_factory=list
+    )  # [(drafter, minus)]: gaps by budget beside the standard ones
 
     @property
     def run_name(self) -> str:
@@ -217,7 +219,9 @@ def _rows(specs: list, training: dict, best_kv_mode: str, responses: str) -> dic
         if own.get("kv_mode") == "best":
             own["kv_mode"] = best_kv_mode
         init_row = own.pop("init_from", None)
-        if init_row == "target":  # a TrainConfig value (the KV drafter's attention from the target), not a row
+        if (
+            init_row == "target"
+        ):  # a TrainConfig value (the KV drafter's attention from the target), not a row
             own["init_from"], init_row = "target", None
         if init_row is not None and init_row not in raw_by_name:
             raise PlanError(f"row {name!r}: init_from names {init_row!r}, which is not a row of the plan.")

@@ -153,7 +153,8 @@ def kv_ablation(plan: Plan, row: Row, result, target, data: RowData) -> pd.DataF
 
 
 def train_rows(plan: Plan, target, names: list[str], root: Path, progress: bool, update, **overrides) -> None:
-    """Train ``names`` one after the other (module docstring), updating the run's tables after each."""
+    """Train ``names`` one after the other (module docstring), updating the run's tables after each and its
+    figures after the last (``update(tables, kind, done, draw)``)."""
     out_dir, data, d2t = drafter_dir(plan, root), {}, None
     limits = {"max_file_mb": 16, "max_total_mb": 60, **plan.checkpoints}
     for i, name in enumerate(names):
@@ -167,10 +168,11 @@ def train_rows(plan: Plan, target, names: list[str], root: Path, progress: bool,
         result, summary = train_row(plan, row, target, data[key], d2t, out_dir / name, init, progress, **own)
         summary["paper_row"] = row.paper
         if row.headline:
-            folder = Path(root) / "checkpoints" / plan.run_name / name
-            summary.update(commit_checkpoint(result.drafter, folder, **limits))
+            rel = Path("checkpoints") / plan.run_name / name
+            summary.update(commit_checkpoint(result.drafter, Path(root) / rel, **limits))
+            summary["checkpoint"] = str(rel) if summary["checkpoint"] else ""
         ablation = kv_ablation(plan, row, result, target, data[key])
-        update(trained_tables([result], [summary], ablation), "train", names[: i + 1])
+        update(trained_tables([result], [summary], ablation), "train", names[: i + 1], i == len(names) - 1)
         del result
 
 
@@ -275,7 +277,9 @@ def status(plan: Plan, root: Path = REPO_ROOT) -> pd.DataFrame:
     rows = []
     for name in plan.training_order():
         out = drafter_dir(plan, root) / name
-        rec = dict(row=name, state="not started", step=None, cap=None, token_passes=None, acc_0=None, hours=None)
+        rec = dict(
+            row=name, state="not started", step=None, cap=None, token_passes=None, acc_0=None, hours=None
+        )
         meta = read_train_state(out)
         cfg_file = out / "config.json"
         extra = json.loads(cfg_file.read_text()).get("extra", {}) if cfg_file.is_file() else {}
@@ -313,11 +317,12 @@ def run_reference(
     rows: list[str] | None = None,
     root: Path = REPO_ROOT,
     progress: bool = True,
+    figures: bool = True,
     **train_overrides,
 ) -> dict:
     """The run on this machine (module docstring): ``steps`` of :data:`STEPS`, ``rows`` (default: every row in
     training order; evaluated: the plan's eval rows). Writes ``root/runs/<run>/``, ``root/figures/<run>/`` and
-    ``root/checkpoints/<run>/``."""
+    ``root/checkpoints/<run>/``; the tables after every row, the figures (``figures``) after each step."""
     if any(s not in STEPS for s in steps):
         raise PlanError(f"the run's steps are {list(STEPS)}, got {list(steps)}.")
     device = resolve_device(device)
@@ -325,11 +330,11 @@ def run_reference(
     t0, env, record = time.perf_counter(), environment(device), dict(steps=list(steps))
     target = load_reference_target(plan, device) if set(steps) - {"notebooks"} else None
 
-    def update(tables: dict, kind: str, done: list[str]) -> None:
+    def update(tables: dict, kind: str, done: list[str], draw: bool = True) -> None:
         info = dict(job=f"{kind}@{env['host']}", kind=kind, rows=" ".join(done), gpu=env["gpu"] or device,
                     cpu=env.get("cpu"), torch=env["torch"], transformers=env["transformers"],
                     started=env["started"], seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
-        update_run(plan, {**tables, "reference_jobs.csv": pd.DataFrame([info])}, root)
+        update_run(plan, {**tables, "reference_jobs.csv": pd.DataFrame([info])}, root, draw=draw and figures)
 
     if "regenerate" in steps and plan.data.get("responses", "regenerated") == "regenerated":
         record["regenerated"] = {

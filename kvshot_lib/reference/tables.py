@@ -188,9 +188,12 @@ def reference_table(tables: dict) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def update_run(plan, new: dict[str, pd.DataFrame], root: Path = REPO_ROOT, name: str | None = None) -> dict:
+def update_run(
+    plan, new: dict[str, pd.DataFrame], root: Path = REPO_ROOT, name: str | None = None, draw: bool = True
+) -> dict:
     """Merge ``new`` tables (``{table: rows}``, tables of :data:`KEYS`) into the run ``name`` (default: the plan's
-    run) under ``root``: rewrite its tables, the derived ones and its figures. Returns what it wrote and drew."""
+    run) under ``root``: rewrite its tables, the derived ones and (``draw``) its figures. Returns what it wrote
+    and drew."""
     name = name or getattr(plan, "run_name", plan.profile)
     root = Path(root)
     data_dir, results = root / "figures" / name / "data", root / "runs" / name / "results"
@@ -205,10 +208,9 @@ def update_run(plan, new: dict[str, pd.DataFrame], root: Path = REPO_ROOT, name:
         if df.empty:
             continue
         df.to_csv(results / t, index=False)
-        if not any(t in f for f in FIGURES.values()):  # figure tables reach data/ through publish
-            df.to_csv(data_dir / t, index=False)
+        df.to_csv(data_dir / t, index=False)  # the merged state: the next update starts from data/
         written.append(t)
-    figures = _publish(plan, tables, results, root / "figures" / name)
+    figures = _publish(plan, tables, results, root / "figures" / name) if draw else []
     return dict(tables=written, figures=figures)
 
 
@@ -230,7 +232,9 @@ def caption(plan, tables: dict) -> str:
         lo, hi = int(rows["train_tokens"].min()), int(rows["train_tokens"].max())
         bits.append(f"{lo:,}{f'–{hi:,}' if hi != lo else ''} token-passes per drafter")
     if "precision" in rows and rows["precision"].notna().any():
-        where = sorted({str(g) for g in jobs.get("gpu", []) if isinstance(g, str) and g}) or ["CPU"]
+        gpus = {str(g) for g in jobs.get("gpu", []) if isinstance(g, str) and g and g != "cpu"}
+        cpus = {str(c) for c in rows.get("cpu", []) if isinstance(c, str) and c}
+        where = sorted(gpus) or sorted(cpus) or ["CPU"]
         bits.append(f"{'/'.join(sorted(set(rows['precision'].dropna())))} on {', '.join(where)}")
     return " · ".join(bits)
 

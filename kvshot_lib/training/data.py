@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from ..drafters.checkpoint import read_config, read_weights
 from ..drafters.config import DrafterConfigError
 
