@@ -12,6 +12,7 @@ import pytest
 from kvshot_lib.corpus import FeatureStore
 from kvshot_lib.reference import PlanError, load_plan, run_reference, status
 from kvshot_lib.target import load_target
+from kvshot_lib.training import budget_note
 
 ROWS = ["none-ttt", "hidden-ttt", "kv-ttt", "kv-ttt-zeroed", "hybrid-ttt", "hybrid-ttt-zeroed", "kv-ttt-tinit",
         "block-kv"]  # fmt: skip
@@ -73,6 +74,10 @@ def test_a_smoke_run_trains_every_row_and_writes_table_5(tmp_path):
         assert r["train_tokens"] == history[history["drafter"] == name]["tokens"].sum()  # token-passes
         assert r["train_steps"] == cap_steps and r["steps_trained"] <= cap_steps  # the cap, in token-passes
         assert r["precision"] in ("bf16", "fp32") and r["cpu"] and r["row_seconds"] > 0
+        cfg = json.loads(
+            (tmp_path / "runs" / "reference-smoke" / "drafters" / name / "config.json").read_text()
+        )
+        assert cfg["extra"]["train_store"] == str(store.path)  # one store for every row
     # the KV ablation covers every KV reader, three conditions each; the gate statistics the hybrids
     ablation = pd.read_csv(data / "kv_ablation.csv")
     assert set(ablation["drafter"]) == KV_READERS
@@ -120,8 +125,11 @@ def test_a_smoke_run_trains_every_row_and_writes_table_5(tmp_path):
     figures = tmp_path / "figures" / "reference-smoke"
     for fig in ("02_per_step_accuracy", "02_learning_curves", "02_kv_ablation", "03_acceptance_by_step"):
         assert (figures / f"{fig}.png").is_file(), fig
+    note = budget_note(tmp_path / "runs" / "reference-smoke" / "results")  # notebook 04's caption on this run
+    precision = rows["precision"].iloc[0]  # bf16 where the CPU has it, else fp32
+    assert "token-passes per drafter over" in note and f"unique tokens, {precision}" in note
     captions = (figures / "data" / "captions.json").read_text()
-    assert "unique training tokens" in captions and "token-passes" in captions and "bf16" in captions
+    assert "unique training tokens" in captions and "token-passes" in captions and precision in captions
 
     # a second run reads every finished row back: nothing trains again, nothing is duplicated
     run_reference(plan, "cpu", ("train",), ["hidden-ttt"], root=tmp_path, progress=False, figures=False)

@@ -6,6 +6,7 @@
     python -m kvshot_lib.reference --smoke                               # the whole path on a tiny target, seconds
     python -m kvshot_lib.reference --status                              # where each row stands (while it runs)
     python -m kvshot_lib.reference --rows none-ttt --set train_steps=20  # a TrainConfig override for every row
+    python -m kvshot_lib.reference --data n_train_conversations=16 --data min_train_tokens=0   # a smaller slice
 
 Arguments are checked before anything is loaded: an unknown profile, step or row, CUDA asked for but absent.
 A killed run started again with the same arguments resumes each row at its last saved step.
@@ -34,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="default: the profile's (auto: CUDA if there is one)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a TrainConfig override")
     ap.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a data override (n_train_conversations=16)",
+    )
+    ap.add_argument(
         "--root", default=None, help="where runs/ and figures/ are written (default: this checkout)"
     )
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -46,12 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = [plan.row(r).name for r in args.rows.split(",")] if args.rows else None
         if any(s not in STEPS for s in steps):
             raise PlanError(f"--steps takes {list(STEPS)}, got {steps}.")
-        overrides = {}
-        for item in args.set:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise PlanError(f"--set takes KEY=VALUE, got {item!r}.")
-            overrides[key] = yaml.safe_load(value)
+        overrides = key_values(args.set, "--set")
+        data = key_values(args.data, "--data")
+        unknown = sorted(set(data) - set(plan.data))
+        if unknown:
+            raise PlanError(f"--data names {unknown}; the plan's data keys are {sorted(plan.data)}.")
+        plan.data.update(data)
         if rows or overrides:
             for r in rows or plan.rows:
                 plan.row(r).train_config(**overrides)  # a bad override fails here, not after hours
@@ -77,6 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     record = run_reference(plan, device, steps, rows, progress=not args.quiet, **root, **overrides)
     print(record)
     return 0
+
+
+def key_values(items: list[str], flag: str) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise PlanError(f"{flag} takes KEY=VALUE, got {item!r}.")
+        out[key] = yaml.safe_load(value)
+    return out
 
 
 if __name__ == "__main__":

@@ -100,7 +100,9 @@ def trained_tables(results, summaries: list[dict], ablation: pd.DataFrame | None
         "training_history.csv": combined_table(results, "history"),
         "heldout_eval.csv": combined_table(results, "eval"),
         "curve_points.csv": combined_table(results, "curve"),
-        "training_times.csv": training_times(results),
+        "training_times.csv": training_times(results).assign(
+            unique_tokens=[s.get("unique_tokens") for s in summaries]  # summaries are in the results' order
+        ),
     }
     if ablation is not None:
         out["kv_ablation.csv"] = ablation

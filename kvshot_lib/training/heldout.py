@@ -194,13 +194,25 @@ def training_times(results) -> pd.DataFrame:
 
 def budget_note(results_dir) -> str:
     """The caption words that say a run's drafters are budget-limited: the training tokens each one saw
-    (from ``training_times.csv``, which notebook 02 writes), against the ~10^8 of published recipes."""
+    (from ``training_times.csv``, which notebook 02 writes), against the ~10^8 of published recipes. Where the
+    table has ``unique_tokens`` (the reference run's), the token-passes, the unique tokens and the precision."""
     path = Path(results_dir) / "training_times.csv"
     if not path.is_file():
         return "drafters: none trained in this run"
-    tokens = pd.read_csv(path)["train_tokens"]
+    table = pd.read_csv(path)
+    tokens = table["train_tokens"]
     lo, hi = tokens.min() / 1e6, tokens.max() / 1e6
     seen = f"{lo:.2f}M" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}M–{hi:.2f}M"
+    if (
+        "unique_tokens" in table and table["unique_tokens"].notna().any()
+    ):  # the reference run says both, and how
+        unique = table["unique_tokens"].max() / 1e6
+        precision = "/".join(sorted(set(table["precision"].dropna()))) if "precision" in table else ""
+        return (
+            f"{seen} token-passes per drafter over {unique:.2f}M unique tokens"
+            + (f", {precision}" if precision else "")
+            + " (published recipes: ~100M+)"
+        )
     return f"budget-limited: each drafter trained on {seen} tokens (published recipes: ~100M+)"
 
 
