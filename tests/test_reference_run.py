@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from kvshot_lib.corpus import FeatureStore
+from kvshot_lib.plots import redraw
 from kvshot_lib.reference import PlanError, load_plan, run_reference, status
 from kvshot_lib.target import load_target
 from kvshot_lib.training import budget_note
@@ -125,6 +126,10 @@ def test_a_smoke_run_trains_every_row_and_writes_table_5(tmp_path):
     figures = tmp_path / "figures" / "reference-smoke"
     for fig in ("02_per_step_accuracy", "02_learning_curves", "02_kv_ablation", "03_acceptance_by_step"):
         assert (figures / f"{fig}.png").is_file(), fig
+    redrawn = redraw(figures, tmp_path / "redrawn", ["02_learning_curves"])  # kvshot figures, no model
+    assert (tmp_path / "redrawn" / f"{redrawn[0]}.png").read_bytes() == (
+        figures / f"{redrawn[0]}.png"
+    ).read_bytes()
     note = budget_note(tmp_path / "runs" / "reference-smoke" / "results")  # notebook 04's caption on this run
     precision = rows["precision"].iloc[0]  # bf16 where the CPU has it, else fp32
     assert "token-passes per drafter over" in note and f"unique tokens, {precision}" in note
