@@ -198,10 +198,15 @@ def budget_note(results_dir) -> str:
     path = Path(results_dir) / "training_times.csv"
     if not path.is_file():
         return "drafters: none trained in this run"
-    tokens = pd.read_csv(path)["train_tokens"]
+    times = pd.read_csv(path)
+    tokens = times["train_tokens"]
     lo, hi = tokens.min() / 1e6, tokens.max() / 1e6
     seen = f"{lo:.2f}M" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}M–{hi:.2f}M"
-    return f"budget-limited: each drafter trained on {seen} tokens (published recipes: ~100M+)"
+    note = f"budget-limited: each drafter trained on {seen} tokens (published recipes: ~100M+)"
+    if "precision" in times:  # where it trained, so that an AMX number is never read as another CPU's
+        where = times[["precision", "cpu", "bf16_isa"]].drop_duplicates().astype(str)
+        note += "; trained in " + ", ".join(f"{p} on {c} ({i})" for p, c, i in where.itertuples(index=False))
+    return note
 
 
 def combined_table(results, name: str) -> pd.DataFrame:
@@ -212,6 +217,7 @@ def combined_table(results, name: str) -> pd.DataFrame:
             paradigm=r.config.paradigm,
             regime=r.config.regime,
             target_kv=r.config.target_kv,
+            **{k: v for k, v in machine_of(r).items() if k in ("precision", "cpu", "bf16_isa")},
         )
         for r in results
         if r.logs.get(name)
