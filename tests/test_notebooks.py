@@ -14,7 +14,7 @@ import pytest
 
 from kvshot_lib import cli, plots, runner
 from kvshot_lib.evaluation import HF_METHODS
-from kvshot_lib.target import REPO_ROOT
+from kvshot_lib.target import REPO_ROOT, cpu_model, resolve_precision
 from kvshot_lib.training import parse_drafter_specs
 
 NOTEBOOKS = runner.list_notebooks()
@@ -154,6 +154,10 @@ def test_saved_tables_of_notebook_02(smoke_run):
     assert (
         step0["accuracy"] <= step0["ceiling"] + 1e-12
     ).all()  # a hit needs the target's token in the vocab
+    precision = {"no": "fp32"}.get(resolve_precision("auto", "cpu"), "bf16")  # what `auto` runs as here
+    for name in ("per_step_accuracy", "training_times", "training_history", "learning_curves"):
+        recorded = table(name, ["precision", "cpu", "bf16_isa"])
+        assert set(recorded["precision"]) == {precision} and set(recorded["cpu"]) == {cpu_model()}, name
     times = table("training_times", ["drafter", "train_steps", "train_tokens"])
     assert times["drafter"].tolist() == names and (times["train_steps"] == p["train_steps"]).all()
     history = table("training_history", ["drafter", "step", "loss", "acc_0"])

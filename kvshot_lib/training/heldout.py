@@ -199,21 +199,19 @@ def budget_note(results_dir) -> str:
     path = Path(results_dir) / "training_times.csv"
     if not path.is_file():
         return "drafters: none trained in this run"
-    table = pd.read_csv(path)
-    tokens = table["train_tokens"]
+    times = pd.read_csv(path)
+    tokens = times["train_tokens"]
     lo, hi = tokens.min() / 1e6, tokens.max() / 1e6
     seen = f"{lo:.2f}M" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}M–{hi:.2f}M"
-    if (
-        "unique_tokens" in table and table["unique_tokens"].notna().any()
-    ):  # the reference run says both, and how
-        unique = table["unique_tokens"].max() / 1e6
-        precision = "/".join(sorted(set(table["precision"].dropna()))) if "precision" in table else ""
-        return (
-            f"{seen} token-passes per drafter over {unique:.2f}M unique tokens"
-            + (f", {precision}" if precision else "")
-            + " (published recipes: ~100M+)"
-        )
-    return f"budget-limited: each drafter trained on {seen} tokens (published recipes: ~100M+)"
+    if "unique_tokens" in times and times["unique_tokens"].notna().any():  # the reference run says both
+        unique = times["unique_tokens"].max() / 1e6
+        note = f"{seen} token-passes per drafter over {unique:.2f}M unique tokens (published recipes: ~100M+)"
+    else:
+        note = f"budget-limited: each drafter trained on {seen} tokens (published recipes: ~100M+)"
+    if "precision" in times:  # where it trained, so that an AMX number is never read as another CPU's
+        where = times[["precision", "cpu", "bf16_isa"]].drop_duplicates().astype(str)
+        note += "; trained in " + ", ".join(f"{p} on {c} ({i})" for p, c, i in where.itertuples(index=False))
+    return note
 
 
 def combined_table(results, name: str) -> pd.DataFrame:
@@ -224,6 +222,7 @@ def combined_table(results, name: str) -> pd.DataFrame:
             paradigm=r.config.paradigm,
             regime=r.config.regime,
             target_kv=r.config.target_kv,
+            **{k: v for k, v in machine_of(r).items() if k in ("precision", "cpu", "bf16_isa")},
         )
         for r in results
         if r.logs.get(name)
