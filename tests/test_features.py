@@ -76,11 +76,27 @@ def test_extraction_resumes_after_interruption(tiny_llama, split, tmp_path, monk
     assert resumed.manifest["content_hash"] == fresh.manifest["content_hash"]
 
 
-def test_corrupted_shard_is_redone(tiny_llama, split, tmp_path):
+def test_corrupted_shard_is_redone(tiny_llama, split, tmp_path, monkeypatch):
+    """The corrupt shard is extracted again (its sequences, and only those, go through the target) and the
+    file on disk is good again: the manifest's hashes are the recorded ones, so comparing them alone would
+    not see a corrupt shard left in place."""
     store = extract_features(tiny_llama, split, out_dir=tmp_path, shard_tokens=150)
-    first = tmp_path / store.manifest["shards"][0]["file"]
-    first.write_bytes(first.read_bytes()[:-10] + b"0123456789")
+    shard = store.manifest["shards"][0]
+    first = tmp_path / shard["file"]
+    good = first.read_bytes()
+    first.write_bytes(good[:-10] + b"0123456789")
+    extracted = []
+    real = features._extract_sequence
+
+    def recorded(target, ids, *args):
+        extracted.append(ids.tolist())
+        return real(target, ids, *args)
+
+    monkeypatch.setattr(features, "_extract_sequence", recorded)
     again = extract_features(tiny_llama, split, out_dir=tmp_path, shard_tokens=150)
+    start, end = shard["sequences"]
+    assert extracted == [x.tolist() for x in split.ids[start:end]], "only the corrupt shard is redone"
+    assert first.read_bytes() == good and features._sha256(first) == shard["sha256"]
     assert again.manifest["content_hash"] == store.manifest["content_hash"]
 
 

@@ -7,7 +7,14 @@ import torch
 
 from kvshot_lib.corpus import extract_features, tokenize_sharegpt
 from kvshot_lib.evaluation import fit_saturating, gap_trend
-from kvshot_lib.training import TrainConfig, curve_steps, lr_factor, train_drafter
+from kvshot_lib.training import (
+    StoreBatches,
+    TrainConfig,
+    curve_steps,
+    lr_factor,
+    plateau_step,
+    train_drafter,
+)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +80,7 @@ def test_decay_branches_leave_the_main_run_unchanged_and_equal_a_separate_run(ti
         progress=False,
     )
     final = alone.logs["eval"][-1]
+    assert [round(r["lr"] / 3e-3, 6) for r in alone.logs["history"][-2:]] == [0.55, 0.1]  # its own decay
     point = points[1]
     for k in range(3):
         assert point[f"acc_{k}"] == final[f"acc_{k}"]
@@ -103,3 +111,36 @@ def test_gap_trend_has_the_sign_of_a_known_slope():
     shrink = gap_trend(tokens, 0.1 - 0.03 * np.log10(tokens / 1e5), np.full(5, 0.002))
     assert (grow["trend"], hold["trend"], shrink["trend"]) == ("grows", "holds", "shrinks")
     assert grow["slope_lo"] > 0 and shrink["slope_hi"] < 0 and hold["slope_lo"] < 0 < hold["slope_hi"]
+
+
+def test_training_to_a_plateau_ends_the_stable_phase_there_and_resumes_exactly(
+    tiny_llama, stores, tmp_path, monkeypatch
+):
+    """A random tiny target gives held-out acc_0 that stops moving at once: the stable phase ends at the first
+    evaluation where the last quarter moved it by less than the tolerance (a cap of 400 steps is never reached),
+    the run ends after that point's WSD decay, and a run killed during the decay resumes to the same end."""
+    c = cfg(train_steps=400, eval_every=5, plateau_stop=0.02, save_every=5)
+    run = train_drafter(tiny_llama, *stores, c, tmp_path / "p", progress=False)
+    evals = [e for e in run.logs["eval"]]
+    decay_from = plateau_step(evals, 0.02)
+    assert decay_from is not None and decay_from < 400
+    want = decay_from + max(1, round(0.1 * decay_from))
+    lrs = [r["lr"] for r in run.logs["history"]]
+    assert len(lrs) == want  # stopped by the rule, not the cap
+    assert lrs[2:decay_from] == [c.lr] * (decay_from - 2)  # stable (after 2 warmup steps)
+    assert lrs[-1] == pytest.approx(c.lr * c.min_lr_ratio)  # annealed at the end
+    assert "plateau" in run.drafter.cfg.extra["stop_reason"]
+    # a run that saved its state mid-decay and was killed: the resumed call ends exactly as the uninterrupted one
+    killed, real = tmp_path / "k", StoreBatches.batch
+
+    def batch(self, step):  # killed when it asks for the batch of step want - 2 (state saved every 5 steps)
+        if step == want - 2:
+            raise KeyboardInterrupt
+        return real(self, step)
+
+    monkeypatch.setattr(StoreBatches, "batch", batch)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(tiny_llama, *stores, c, killed, progress=False)
+    monkeypatch.setattr(StoreBatches, "batch", real)
+    resumed = train_drafter(tiny_llama, *stores, c, killed, progress=False)
+    assert [r["loss"] for r in resumed.logs["history"]] == [r["loss"] for r in run.logs["history"]]

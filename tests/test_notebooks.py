@@ -6,6 +6,7 @@ the tables kept beside it, byte for byte."""
 import ast
 import json
 import math
+import os
 
 import numpy as np
 import pandas as pd
@@ -13,7 +14,7 @@ import pytest
 
 from kvshot_lib import cli, plots, runner
 from kvshot_lib.evaluation import HF_METHODS
-from kvshot_lib.target import REPO_ROOT
+from kvshot_lib.target import REPO_ROOT, cpu_model, resolve_precision
 from kvshot_lib.training import parse_drafter_specs
 
 NOTEBOOKS = runner.list_notebooks()
@@ -47,7 +48,11 @@ def test_notebook_is_stripped_parameterized_and_short(number):
 
 @pytest.fixture(scope="module")
 def smoke_run():
-    return runner.run_profile("smoke")
+    """The smoke profile, run once. ``KVSHOT_SMOKE_ONLY=01,07`` runs only those notebooks, on top of the other
+    notebooks' outputs already under ``runs/smoke`` (``tests/mutation_issue21.py`` does, to check the tables
+    of one notebook under a mutant)."""
+    only = os.environ.get("KVSHOT_SMOKE_ONLY")
+    return runner.run_profile("smoke", only=only.split(",") if only else None)
 
 
 def test_smoke_profile_runs_every_notebook(smoke_run):
@@ -149,6 +154,10 @@ def test_saved_tables_of_notebook_02(smoke_run):
     assert (
         step0["accuracy"] <= step0["ceiling"] + 1e-12
     ).all()  # a hit needs the target's token in the vocab
+    precision = {"no": "fp32"}.get(resolve_precision("auto", "cpu"), "bf16")  # what `auto` runs as here
+    for name in ("per_step_accuracy", "training_times", "training_history", "learning_curves"):
+        recorded = table(name, ["precision", "cpu", "bf16_isa"])
+        assert set(recorded["precision"]) == {precision} and set(recorded["cpu"]) == {cpu_model()}, name
     times = table("training_times", ["drafter", "train_steps", "train_tokens"])
     assert times["drafter"].tolist() == names and (times["train_steps"] == p["train_steps"]).all()
     history = table("training_history", ["drafter", "step", "loss", "acc_0"])
@@ -316,3 +325,268 @@ def test_saved_tables_of_notebook_06(smoke_run):
     assert set(costs["precision"]) == set(precisions) and (costs["seconds"] > 0).all()
     for _, d in costs[costs["part"].str.startswith("verify")].groupby(["precision", "part"]):
         assert set(d["n"]) >= {1, 2, 8, 64} and d.sort_values("n")["seconds"].is_monotonic_increasing
+
+
+def per_doc_ce(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per test document and step: summed cross-entropy bits and examples over the seeds of ``rows``."""
+    return rows.groupby(["doc", "step"])[["ce_bits", "n", "top1", "top5"]].sum()
+
+
+def test_saved_tables_of_notebook_01(smoke_run):
+    """The probes' summary tables restate the per-document table: every estimate is recomputed here from
+    ``probe_by_doc.csv`` (pooled ratios over documents and seeds, the information gain over the embedding
+    probe, paired differences, the gap between the KV and hidden-state probes and its slope over steps)."""
+    p = smoke_params("01")
+    data = json.loads((RESULTS / "probe_data.json").read_text())
+    assert data["layers"] == p["probe_layers"] and data["n_steps"] == p["n_steps"]
+    assert data["train_docs"] == p["n_train_docs"] and 1 <= data["test_docs"] <= p["n_test_docs"]
+    assert 1 <= data["readout_vocab"] <= p["readout_size"] and within(
+        pd.Series([data["test_coverage"]]), 0, 1
+    )
+    params = table("probe_params", ["kind", "mlp_width", "params", "budget", "deviation"])
+    assert sorted(params["kind"]) == sorted(p["kinds"]) and (params["budget"] == p["probe_budget"]).all()
+    assert np.allclose(params["deviation"], params["params"] / p["probe_budget"] - 1) and within(
+        params["deviation"].abs(), 0, 0.05
+    )
+    by_doc = table("probe_by_doc", ["kind", "task", "seed", "doc", "step", "n", "ce_bits", "top1", "top5"])
+    real = by_doc[by_doc["task"] == "real"]
+    assert set(real["seed"]) == set(p["seeds"]) and set(real["step"]) == set(range(p["n_steps"]))
+    assert real["doc"].nunique() == data["test_docs"] and (real["ce_bits"] >= 0).all()
+    assert (by_doc["top1"] <= by_doc["top5"]).all() and (by_doc["top5"] <= by_doc["n"]).all()
+    # every probe kind and seed is tested on the same examples
+    counts = real.pivot_table(index=["doc", "step"], columns=["kind", "seed"], values="n")
+    assert counts.notna().all().all() and (counts.nunique(axis=1) == 1).all()
+    assert set(by_doc[by_doc["task"] == "control"]["kind"]) == set(p["control_kinds"])
+
+    results = table("probe_results", ["kind", "task", "step", "metric", "value", "ci_lo", "ci_hi"])
+    for (kind, task), rows in by_doc.groupby(["kind", "task"]):
+        pooled = rows.groupby("step")[["ce_bits", "top1", "top5", "n"]].sum()
+        got = results[(results["kind"] == kind) & (results["task"] == task)].set_index(["metric", "step"])
+        for metric in ("ce_bits", "top1", "top5"):
+            for step, want in (pooled[metric] / pooled["n"]).items():
+                row = got.loc[(metric, step)]
+                assert row["value"] == pytest.approx(want, rel=1e-9), (kind, task, metric, step)
+                assert row["ci_lo"] - 1e-12 <= row["value"] <= row["ci_hi"] + 1e-12
+                assert row["n_examples"] == pooled.loc[step, "n"] / rows["seed"].nunique()
+    emb = per_doc_ce(real[real["kind"] == "emb"])
+    for kind, rows in real.groupby("kind"):
+        d = per_doc_ce(rows)
+        diff = emb["ce_bits"] / emb["n"] - d["ce_bits"] / d["n"]  # per-document IG in bits
+        for step, g in diff.groupby(level="step"):
+            w = d["n"].xs(step, level="step")
+            want = float((g.droplevel("step") * w).sum() / w.sum())
+            row = results.query("kind == @kind and task == 'real' and metric == 'ig_bits' and step == @step")
+            assert row["value"].item() == pytest.approx(want, rel=1e-9, abs=1e-12), (kind, step)
+    top1 = results[results["metric"] == "top1"].set_index(["kind", "task", "step"])["value"]
+    for row in results[results["metric"] == "selectivity"].itertuples():
+        want = top1[(row.kind, "real", row.step)] - top1[(row.kind, "control", row.step)]
+        assert row.value == pytest.approx(want, abs=1e-12)
+
+    pairwise = table(
+        "probe_pairwise", ["kind_a", "kind_b", "step", "ce_diff_bits", "ci_lo", "ci_hi", "p_value"]
+    )
+    kinds = sorted(real["kind"].unique())
+    assert len(pairwise) == len(kinds) * (len(kinds) - 1) // 2 * p["n_steps"]
+    for row in pairwise.itertuples():
+        a, b = per_doc_ce(real[real["kind"] == row.kind_a]), per_doc_ce(real[real["kind"] == row.kind_b])
+        sel = a.index.get_level_values("step") == row.step
+        w = a["n"][sel]
+        want = float(((a["ce_bits"] / a["n"] - b["ce_bits"] / b["n"])[sel] * w).sum() / w.sum())
+        assert row.ce_diff_bits == pytest.approx(want, rel=1e-9, abs=1e-12)
+        assert row.ci_lo - 1e-12 <= row.ce_diff_bits <= row.ci_hi + 1e-12 and 0 <= row.p_value <= 1
+
+    gap = table("information_gap", ["kv_probe", "step", "gap_bits", "ci_lo", "ci_hi", "p_value", "verdict"])
+    h = per_doc_ce(real[real["kind"] == "h"])
+    for kv, rows in gap.groupby("kv_probe"):
+        d = per_doc_ce(real[real["kind"] == kv])
+        per_step = rows[rows["step"] >= 0].set_index("step")["gap_bits"]
+        for step, value in per_step.items():
+            sel = h.index.get_level_values("step") == step
+            w = h["n"][sel]
+            want = float(((h["ce_bits"] / h["n"] - d["ce_bits"] / d["n"])[sel] * w).sum() / w.sum())
+            assert value == pytest.approx(want, rel=1e-9, abs=1e-12), (kv, step)
+        steps = per_step.index.to_numpy(dtype=float)
+        slope = np.polyfit(steps, per_step.to_numpy(), 1)[0]  # least squares, by numpy
+        summary = rows[rows["step"] == -1].iloc[0]
+        assert summary["gap_bits"] == pytest.approx(slope, rel=1e-6, abs=1e-12)
+        grows = "grows with k" if summary["ci_lo"] > 0 else None
+        assert grows is None or summary["verdict"].startswith(grows)
+
+
+def test_saved_tables_of_notebook_04(smoke_run):
+    """The query-error tables restate one another: the first sequence's per-step means (``by_step``) and
+    accepted / rejected means (``vs_acceptance``) are the means of its per-anchor rows (``positions``); the
+    per-head table counts every anchor of every sequence; the verdict's differences and the causal check's
+    alphas and MATs are recomputed from the tables they summarize."""
+    p = smoke_params("04")
+    keys = ["drafter", "estimator", "level", "variant", "sequence", "step"]
+    by_step = table("query_error_by_step", [*keys, "n", "out_err", "kl_bits", "recall@4", "cosine"])
+    positions = table("query_error_positions", [*keys, "anchor", "accepted", "out_err", "kl_bits"])
+    assert set(by_step["step"]) <= set(range(p["n_steps"])) and (by_step["n"] > 0).all()
+    assert within(by_step["cosine"].dropna(), -1, 1) and within(by_step["recall@4"].dropna(), 0, 1)
+    assert (by_step["out_err"].dropna() >= 0).all() and (by_step["kl_bits"].dropna() >= -1e-6).all()
+    first = positions.groupby(keys[:-2])["sequence"].first().iloc[0]
+    pos = positions[positions["sequence"] == first]
+    got = by_step[by_step["sequence"] == first].set_index(keys)
+    metrics = ["out_err", "kl_bits", "js_bits", "cosine", "recall@4", "unavailable_mass"]
+    checked = 0
+    for key, rows in pos.groupby(keys):
+        row = got.loc[key]
+        assert row["n"] == len(rows), key  # head pairs x anchors of that step
+        for m in metrics:
+            assert row[m] == pytest.approx(rows[m].mean(), rel=1e-4, abs=1e-6, nan_ok=True), (key, m)
+        checked += 1
+    assert checked == len(got) > 0
+    vs = table("query_error_vs_acceptance", [*keys, "accepted", "n", "out_err"])
+    head = pos[pos["level"] == "head"]
+    for key, rows in head.groupby([*keys, "accepted"]):
+        row = vs.set_index([*keys, "accepted"]).loc[key]
+        assert row["out_err"] == pytest.approx(rows["out_err"].mean(), rel=1e-4, abs=1e-6), key
+        assert row["n"] == rows["anchor"].nunique()
+    by_head = table(
+        "query_error_by_head", ["drafter", "estimator", "level", "variant", "step", "n", "matched"]
+    )
+    per = ["drafter", "estimator", "level", "variant", "step"]
+    assert (by_head.groupby(per)["n"].sum() == by_step.groupby(per)["n"].sum()).all()  # every anchor, once
+    mine = by_head[(by_head["level"] == "head") & (by_head["estimator"] == "drafter") & by_head["matched"]]
+    mine = mine[mine["variant"] == "with_sink"]  # each drafter query head matches one target head
+    assert (mine.groupby(["drafter", "drafter_layer", "drafter_head", "step"]).size() == 1).all()
+    # the figures' slices are the full tables' rows
+    by_seq = table(
+        "query_error_by_sequence", ["drafter", "estimator", "variant", "sequence", "step", "out_err"]
+    )
+    assert len(by_seq) == (by_step["level"] == "head").sum()
+    accepted = table(
+        "query_error_accepted", ["drafter", "estimator", "variant", "sequence", "step", "accepted"]
+    )
+    assert len(accepted) == (vs["variant"].eq("with_sink") & vs["estimator"].isin(["drafter", "stale"])).sum()
+
+    verdict = table("query_error_verdict", ["drafter", "level", "variant", "step", "diff", "ci_lo", "ci_hi"])
+    for row in verdict.itertuples():
+        d = by_step[(by_step["drafter"] == row.drafter) & (by_step["level"] == row.level)]
+        d = d[d["variant"] == row.variant]
+        wide = d.pivot_table(index="sequence", columns=["estimator", "step"], values="out_err")
+        diff = wide["drafter"] - wide["stale"]  # [sequences, steps]
+        want = diff.mean(axis=1).mean() if row.step == -1 else diff[row.step].mean()
+        # by_step is saved to 6 significant digits
+        assert row.diff == pytest.approx(want, rel=1e-4, abs=1e-7), (row.drafter, row.level, row.step)
+        assert row.diff == pytest.approx(row.drafter_mean - row.stale_mean, rel=1e-6, abs=1e-9)
+        assert row.ci_lo - 1e-12 <= row.diff <= row.ci_hi + 1e-12 and row.beats_stale == (row.ci_hi < 0)
+
+    causal_by_seq = table(
+        "query_causal_by_sequence", ["drafter", "lam", "sequence", "step", "attempts", "accepts"]
+    )
+    causal = table("query_causal_check", ["drafter", "lam", "step", "alpha_conditional", "n_attempts", "mat"])
+    assert set(causal["lam"]) == set(p["lambdas"])
+    sums = causal_by_seq.groupby(["drafter", "lam", "step"])[["attempts", "accepts"]].sum()
+    for (drafter, lam), rows in causal.groupby(["drafter", "lam"]):
+        reach = 1.0
+        mat = 1.0
+        for row in rows.sort_values("step").itertuples():
+            att, acc = sums.loc[(drafter, lam, row.step)]
+            assert (row.n_attempts, row.n_accepts) == (att, acc) and 0 <= acc <= att
+            alpha = acc / att if att else math.nan
+            assert row.alpha_conditional == pytest.approx(alpha, nan_ok=True)
+            reach *= alpha if att else 0.0
+            mat += reach
+        assert (rows["mat"] == rows["mat"].iloc[0]).all() and rows["mat"].iloc[0] == pytest.approx(mat)
+
+
+def test_saved_tables_of_notebook_07(smoke_run):
+    """SpecPV's tables restate their per-prompt rows: fidelity means, speed sums, tokens/s, speedups against
+    plain and lossless decoding of the same drafter and context, MATs with the bonus counted; strict and
+    lossless runs reproduce plain decoding; the cost fit is refitted from the timed forwards, and the
+    per-token curves and crossovers are recomputed from it (the model itself: test_specpv_cost.py)."""
+    from kvshot_lib.evaluation import specpv_cost
+
+    p = smoke_params("07")
+    run = json.loads((RESULTS / "specpv_run.json").read_text())
+    assert run["contexts"] == sorted(run["contexts"]) and len(run["contexts"]) == len(p["contexts"])
+    runs = table(
+        "specpv_fidelity_runs", ["context", "budget", "full_every", "mode", "n_tokens", "exact_match"]
+    )
+    assert sorted(set(runs["budget"])) == sorted(p["budgets"]) and sorted(set(runs["full_every"])) == sorted(
+        p["full_everys"]
+    )
+    assert (runs["n_tokens"] == p["fidelity_max_new_tokens"]).all()
+    assert (runs["exact_match"] == (runs["first_divergence"] == runs["n_tokens"])).all()
+    assert (
+        within(runs["top1_agreement"], 0, 1)
+        and within(runs["rouge_l"], 0, 1)
+        and (runs["kl_mean"] >= 0).all()
+    )
+    fidelity = table(
+        "specpv_fidelity", ["context", "budget", "full_every", "mode", "exact_match", "n_prompts"]
+    )
+    keys = ["context", "budget", "full_every", "mode"]
+    means = runs.groupby(keys)[
+        ["exact_match", "first_divergence", "kl_mean", "rouge_l", "n_rollbacks"]
+    ].mean()
+    for row in fidelity.itertuples():
+        want = means.loc[(row.context, row.budget, row.full_every, row.mode)]
+        assert row.n_prompts == p["n_fidelity_prompts"]
+        for col in want.index:
+            assert getattr(row, col) == pytest.approx(want[col]), col
+
+    rows = table(
+        "specpv_speed_rows", ["drafter", "context", "method", "n_tokens", "decode_s", "exact_match_vs_ar"]
+    )
+    speed = table(
+        "specpv_speed", ["drafter", "context", "method", "tokens_per_s", "speedup_vs_ar", "mat_full"]
+    )
+    assert set(speed["drafter"]) == set(run["drafters"]) and set(speed["method"]) == {
+        "ar",
+        "lossless",
+        *p["speed_variants"],
+    }
+    exact = speed[speed["method"].isin(["lossless", "strict"])]
+    assert (exact["exact_match_vs_ar"] == 1.0).all(), "lossless and strict decoding reproduce plain decoding"
+    skeys = ["drafter", "context", "method", "budget", "full_every"]
+    sums = rows.groupby(skeys).sum(numeric_only=True)
+    tps = {}
+    for row in speed.itertuples():
+        s = sums.loc[(row.drafter, row.context, row.method, row.budget, row.full_every)]
+        assert (row.n_tokens, row.accepted_full, row.cycles_full) == (
+            s["n_tokens"],
+            s["accepted_full"],
+            s["cycles_full"],
+        )
+        assert row.tokens_per_s == pytest.approx(s["n_tokens"] / s["decode_s"])
+        want_mat = (
+            (s["accepted_full"] + s["cycles_full"]) / s["cycles_full"] if s["cycles_full"] else math.nan
+        )
+        assert row.mat_full == pytest.approx(want_mat, nan_ok=True)
+        want_mat = (
+            (s["accepted_partial"] + s["cycles_partial"]) / s["cycles_partial"]
+            if s["cycles_partial"]
+            else math.nan
+        )
+        assert row.mat_partial == pytest.approx(want_mat, nan_ok=True)
+        assert row.full_ms_per_token == pytest.approx(1000 * s["full_s"] / s["n_tokens"])
+        tps[(row.drafter, row.context, row.method)] = row.tokens_per_s
+    for row in speed.itertuples():
+        assert row.speedup_vs_ar == pytest.approx(row.tokens_per_s / tps[(row.drafter, row.context, "ar")])
+        assert row.speedup_vs_lossless == pytest.approx(
+            row.tokens_per_s / tps[(row.drafter, row.context, "lossless")]
+        )
+
+    costs = table("specpv_forward_costs", ["length", "rows", "seconds", "what"])
+    assert sorted(set(costs["length"])) == sorted(x for x in p["cost_lengths"] if x <= max(run["contexts"]))
+    fit = specpv_cost.fit_costs(costs)
+    assert fit == pytest.approx(run["cost_fit"], rel=1e-6) and all(v >= 0 for v in fit.values())
+    crossover = table("specpv_crossover", ["budget", "full_every", "machine", "crossover_tokens", "draft_s"])
+    curves = table(
+        "specpv_cost_curves", ["budget", "full_every", "machine", "length", "lossless_ms", "specpv_ms"]
+    )
+    cpu = crossover[crossover["machine"] == "this CPU (fitted)"]
+    assert len(cpu) == len(p["speed_budgets"]) * len(p["speed_full_everys"])
+    fwd, ref = specpv_cost.cpu_forward(fit), specpv_cost.cpu_refresh(fit)
+    for row in cpu.itertuples():
+        args = (row.budget, row.full_every, row.draft_s, row.drafted, row.mat_full, row.mat_partial)
+        want = specpv_cost.crossover(fwd, ref, *args)
+        assert row.crossover_tokens == pytest.approx(want, nan_ok=True)
+        sel = curves[(curves["machine"] == row.machine) & (curves["budget"] == row.budget)]
+        for c in sel[sel["full_every"] == row.full_every].itertuples():
+            a, b = specpv_cost.per_token_seconds(c.length, fwd, ref, *args)
+            assert (c.lossless_ms, c.specpv_ms) == pytest.approx((1000 * a, 1000 * b))
+            assert c.ratio == pytest.approx(a / b)

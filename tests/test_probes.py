@@ -175,11 +175,30 @@ def test_bootstrap_helpers():
     assert slope(np.array([1.0, 3.0, 5.0]), np.array([0, 1, 2])) == pytest.approx(2.0)
 
 
-def test_run_probes_end_to_end_on_a_tiny_target(tiny_llama):
+def test_run_probes_end_to_end_on_a_tiny_target(tiny_llama, monkeypatch):
+    """The table's structure, and its values: every real-task row's ``n``, ``ce_bits``, ``top1`` and ``top5``
+    are recomputed here from the trained probes' logits on the test documents (cross-entropy in bits as
+    ``-log2 softmax[label]``, summed per document and step)."""
+    banks, batch_sets = {}, []
+    real_train_bank, real_batches_of = pt.train_bank, pt.batches_of
+
+    def keep_bank(kind, batches, *args, labels=None, **kwargs):
+        bank = real_train_bank(kind, batches, *args, labels=labels, **kwargs)
+        if labels is None:  # the real task
+            banks[(kind, args[4])] = bank  # args: readout, dims, width, rank, seed, ...
+        return bank
+
+    def keep_batches(*args, **kwargs):
+        batch_sets.append(real_batches_of(*args, **kwargs))
+        return batch_sets[-1]
+
+    monkeypatch.setattr(pt, "train_bank", keep_bank)
+    monkeypatch.setattr(pt, "batches_of", keep_batches)
     cfg = pt.ProbeConfig(
         layers=(3,),
         n_train_docs=3,
         n_test_docs=2,
+        mixed_precision="no",  # the table's values are recomputed below in float32
         offset=40,
         max_len=48,
         anchors_per_doc=8,
@@ -200,5 +219,30 @@ def test_run_probes_end_to_end_on_a_tiny_target(tiny_llama):
         run.data["train_docs"] == 3 and 1 <= run.data["test_docs"] <= 2
     )  # a document without anchors is dropped
     assert (t["top1"] <= t["top5"]).all() and (t["top5"] <= t["n"]).all()
+    test_batches = batch_sets[1]  # run_probes builds the training batches, then the test batches
+    assert sorted(banks) == sorted((k, s) for k in ip.KINDS for s in (0, 1))
+    real = t[t["task"] == "real"].set_index(["kind", "seed", "doc", "step"])
+    checked = 0
+    for (kind, seed), bank in banks.items():
+        with torch.no_grad():
+            for b in test_batches:
+                logits = bank(b)  # [K, n, V]
+                logp = torch.log_softmax(logits.double(), -1)
+                for k in range(logits.shape[0]):
+                    for d, doc in enumerate(b.doc_ids):
+                        y = b.labels[k][b.doc_of == d]
+                        lp = logp[k][b.doc_of == d][y >= 0]  # [m, V]
+                        y = y[y >= 0]
+                        if len(y) == 0:
+                            continue
+                        row = real.loc[(kind, seed, doc, k)]
+                        ce = float(-lp.gather(1, y[:, None]).sum()) / np.log(2)
+                        rank = (lp > lp.gather(1, y[:, None])).sum(1)  # tokens scored above the label
+                        assert row["n"] == len(y) and row["ce_bits"] == pytest.approx(ce, rel=1e-5)
+                        assert row["top1"] == int((rank == 0).sum()) and row["top5"] == int((rank < 5).sum())
+                        checked += 1
+    assert checked == len(real) > 0
+    # the probes beat a uniform guess over the readout vocabulary (the initial bias is the label frequency)
+    assert 0 < t["ce_bits"].sum() / t["n"].sum() < np.log2(run.data["readout_vocab"])
     with pytest.raises(ValueError, match="held-out split"):
         pt.ProbeConfig(layers=(3,), offset=450, n_train_docs=40, n_test_docs=20).validate()

@@ -93,7 +93,7 @@ def test_output_limits_are_checked(tmp_path):
 
 
 def test_plan_rows_follow_the_issue_and_resolve_like_and_best(tmp_path):
-    plan = load_plan("reference")
+    plan = load_plan("reference-gpu")
     assert list(plan.rows)[:4] == ["none-ttt", "hidden-ttt", "kv2-ttt", "hybrid-ttt"]  # the issue's order
     assert plan.headline_rows() == ["none-ttt", "hidden-ttt", "kv2-ttt", "hybrid-ttt"]
     seeds = [r for r in plan.rows if r.endswith(("-s1", "-s2"))]
@@ -179,12 +179,12 @@ def fake_job(root, job, rows, started, acc0):
 
 
 def test_merge_replaces_rerun_rows_and_draws_the_figures(tmp_path):
-    plan = load_plan("reference", smoke=True)
+    plan = load_plan("reference-gpu", smoke=True)
     fake_job(tmp_path, "j01", ["none-ttt", "hidden-ttt"], "2026-01-01 10:00:00", [0.2, 0.5])
     merge.merge(plan, [tmp_path / "returned"], root=tmp_path / "repo")
     fake_job(tmp_path, "j02", ["hidden-ttt"], "2026-01-02 10:00:00", [0.6])  # a rerun of hidden-ttt
     rec = merge.merge(plan, [tmp_path / "returned" / "j02"], root=tmp_path / "repo")
-    data = tmp_path / "repo" / "figures" / "reference" / "data"
+    data = tmp_path / "repo" / "figures" / "reference-gpu" / "data"
     rows = pd.read_csv(data / "reference_rows.csv").set_index("drafter")
     assert sorted(rows.index) == ["hidden-ttt", "none-ttt"] and rows.loc["hidden-ttt", "acc_0"] == 0.6
     per_step = pd.read_csv(data / "per_step_accuracy.csv")
@@ -197,7 +197,7 @@ def test_merge_replaces_rerun_rows_and_draws_the_figures(tmp_path):
     assert table.loc["hidden-ttt", "heldout_mat"] == pytest.approx(
         1 + sum(0.6 ** (k + 1) * 0.9 ** (k * (k + 1) / 2) for k in range(7))
     )
-    figs = tmp_path / "repo" / "figures" / "reference"
+    figs = tmp_path / "repo" / "figures" / "reference-gpu"
     done = subprocess.run(
         [sys.executable, "-m", "kvshot_lib.cli", "figures", "--profile", str(figs), "--out", str(tmp_path / "again")],
         capture_output=True, text=True, timeout=300,

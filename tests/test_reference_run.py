@@ -1,31 +1,149 @@
-"""The reference run on one machine (``kvshot_lib.reference``), at smoke scale on the CPU: trained rows and the
-MT-bench evaluation land in the run's tables and figures, Table 5 is built from them, and a row trained again
-replaces its old one."""
+"""The reference run on one machine (``kvshot_lib.reference``), the whole CPU path at smoke scale: a feature store
+extracted once, every row of the plan trained to its plateau rule or token-pass cap, the KV ablation, the committed
+checkpoints within their limits, the MT-bench evaluation, Table 5 with the paper's numbers, the learning curves
+and the figures; a second run reads the finished rows back instead of training them again."""
+
+import json
+import math
 
 import pandas as pd
 import pytest
 
-from kvshot_lib.reference import PlanError, load_plan, run_reference
+from kvshot_lib.corpus import FeatureStore
+from kvshot_lib.plots import redraw
+from kvshot_lib.reference import PlanError, load_plan, run_reference, status
+from kvshot_lib.target import load_target
+from kvshot_lib.training import budget_note
+
+ROWS = ["none-ttt", "hidden-ttt", "kv-ttt", "kv-ttt-zeroed", "hybrid-ttt", "hybrid-ttt-zeroed", "kv-ttt-tinit",
+        "block-kv"]  # fmt: skip
+KV_READERS = {"kv-ttt", "kv-ttt-zeroed", "hybrid-ttt", "hybrid-ttt-zeroed", "kv-ttt-tinit", "block-kv"}
+
+MB = 10**6  # the limits are in decimal megabytes
 
 
-def test_a_smoke_run_writes_table_5_and_its_figures(tmp_path):
+def test_the_reference_plan_is_the_issues():
+    plan = load_plan("reference")
+    assert plan.training_order() == ROWS and plan.device == "auto" and plan.run_name == "reference"
+    assert plan.headline_rows() == [
+        "none-ttt",
+        "hidden-ttt",
+        "kv-ttt",
+        "hybrid-ttt",
+        "kv-ttt-tinit",
+        "block-kv",
+    ]
+    cfgs = {r: plan.row(r).train_config() for r in ROWS}
+    assert {(c.schedule, c.plateau_stop, c.data_source, c.mixed_precision) for c in cfgs.values()} == {
+        ("wsd", 0.01, "store", "auto")
+    }  # one schedule family and one stopping rule for every row
+    assert cfgs["kv-ttt-tinit"].init_from == "target" and cfgs["kv-ttt-zeroed"].target_kv == "zeroed"
+    assert (cfgs["block-kv"].paradigm, cfgs["block-kv"].n_layers, cfgs["block-kv"].regime) == (
+        "block",
+        2,
+        "parallel",
+    )
+    assert plan.budget["token_passes"] == 8_000_000 and plan.data["min_train_tokens"] >= 1_000_000
+    assert (plan.data["min_len"], plan.data["max_len"]) == (512, 1024)
+    smoke = load_plan("reference", smoke=True)
+    assert (
+        smoke.run_name == "reference-smoke" and smoke.target == "tiny-llama"
+    )  # never the real run's folders
+
+
+def test_a_smoke_run_trains_every_row_and_writes_table_5(tmp_path):
     plan = load_plan("reference", smoke=True)
-    record = run_reference(plan, "cpu", ("train", "eval"), ["hidden-ttt"], root=tmp_path, progress=False)
-    assert record["trained"] == ["hidden-ttt"]
-    assert {(d["drafter"], d["mode"]) for d in record["evaluated"]} >= {
-        ("hidden-ttt", "tree"),
-        ("ngram", "chain"),
-    }
-    data = tmp_path / "figures" / "reference" / "data"
-    per_step = pd.read_csv(data / "per_step_accuracy.csv")
-    assert set(per_step["drafter"]) == {"hidden-ttt"} and list(per_step["draft_step"]) == list(range(7))
+    record = run_reference(plan, "cpu", ("train",), root=tmp_path, progress=False, figures=False)
+    assert record["trained"] == ROWS
+    data = tmp_path / "figures" / "reference-smoke" / "data"
+    rows = pd.read_csv(data / "reference_rows.csv").set_index("drafter")
+    history = pd.read_csv(data / "training_history.csv")
+    target = load_target("tiny-llama", device="cpu")
+    trained = json.loads(
+        (tmp_path / "runs" / "reference-smoke" / "drafters" / "none-ttt" / "config.json").read_text()
+    )
+    store = FeatureStore(trained["extra"]["train_store"])  # the one store every row read
+    assert (
+        store.n_tokens == rows["unique_tokens"].iloc[0] and len(store) == plan.data["n_train_conversations"]
+    )
+    mean_len = sum(
+        min(n, 128) for n in (len(store.sequence(i, ["input_ids"])["input_ids"]) for i in range(len(store)))
+    )
+    cap_steps = math.ceil(plan.budget["token_passes"] / (2 * mean_len / len(store)))
+    for name in ROWS:
+        r = rows.loc[name]
+        assert r["train_tokens"] == history[history["drafter"] == name]["tokens"].sum()  # token-passes
+        assert r["train_steps"] == cap_steps and r["steps_trained"] <= cap_steps  # the cap, in token-passes
+        assert r["precision"] in ("bf16", "fp32") and r["cpu"] and r["row_seconds"] > 0
+        cfg = json.loads(
+            (tmp_path / "runs" / "reference-smoke" / "drafters" / name / "config.json").read_text()
+        )
+        assert cfg["extra"]["train_store"] == str(store.path)  # one store for every row
+    # the KV ablation covers every KV reader, three conditions each; the gate statistics the hybrids
+    ablation = pd.read_csv(data / "kv_ablation.csv")
+    assert set(ablation["drafter"]) == KV_READERS
+    assert set(ablation["condition"]) == {"real", "zeroed", "shuffled"}
+    assert set(pd.read_csv(data / "gate_stats.csv")["drafter"]) == {"hybrid-ttt", "hybrid-ttt-zeroed"}
+    curves = pd.read_csv(data / "learning_curves.csv")
+    assert set(curves["drafter"]) == set(ROWS) and {"acc_0", "mat"} <= set(curves["metric"])
+    assert set(pd.read_csv(data / "curve_asymptotes.csv")["drafter"]) == set(ROWS)
+    gaps = pd.read_csv(data / "gap_by_budget.csv")
+    assert {("kv-ttt-tinit", "kv-ttt"), ("kv-ttt", "kv-ttt-zeroed"), ("hybrid-ttt", "hidden-ttt")} <= set(
+        zip(gaps["drafter"], gaps["minus"])
+    )
+    # the committed checkpoints: headline rows in order, within the smoke limits (block-kv is left out)
+    ckpt = tmp_path / "checkpoints" / "reference-smoke"
+    limits = plan.checkpoints
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(
+        ["none-ttt", "hidden-ttt", "kv-ttt", "hybrid-ttt", "kv-ttt-tinit"]
+    )
+    assert all(f.stat().st_size <= limits["max_file_mb"] * MB for f in ckpt.rglob("*.safetensors"))
+    assert sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) <= limits["max_total_mb"] * MB
+    assert "over" in rows.loc["block-kv", "checkpoint_skipped"]
+    assert rows.loc["hybrid-ttt", "checkpoint"] == "checkpoints/reference-smoke/hybrid-ttt"
+    from kvshot_lib.drafters import load_drafter
+
+    assert load_drafter(ckpt / "hybrid-ttt", target).cfg.paradigm == "hybrid"
+    done = status(plan, tmp_path)
+    assert list(done["state"]) == ["done"] * len(ROWS)
+
+    # the evaluation: MT-bench on every trained row and the n-gram baseline, then Table 5 and the figures
+    record = run_reference(plan, "cpu", ("eval",), root=tmp_path, progress=False)
+    assert {(d["drafter"], d["mode"], d["temperature"]) for d in record["evaluated"]} >= {
+        ("hybrid-ttt", "tree", 0.0), ("ngram", "chain", 0.0), ("block-kv", "chain", 1.0)
+    }  # fmt: skip
     table = pd.read_csv(data / "reference_table.csv").set_index("drafter")
-    acc = per_step.sort_values("draft_step")["accuracy"].cumprod()  # reach: acc_0 * ... * acc_k
-    assert table.loc["hidden-ttt", "heldout_mat"] == pytest.approx(1 + acc.sum())
-    assert "mtbench_mat" in table and (tmp_path / "runs" / "reference" / "drafters" / "hidden-ttt").is_dir()
-    for fig in ("02_per_step_accuracy", "03_acceptance_by_step", "03_mat_by_drafter"):
-        assert (tmp_path / "figures" / "reference" / f"{fig}.png").is_file()
-    run_reference(plan, "cpu", ("train",), ["hidden-ttt"], root=tmp_path, progress=False, train_steps=2)
-    assert len(pd.read_csv(data / "training_history.csv")) == 2  # the rerun replaced the row's longer history
+    per_step = pd.read_csv(data / "per_step_accuracy.csv")
+    for name in ROWS:
+        acc = per_step[per_step["drafter"] == name].sort_values("draft_step")["accuracy"]
+        if acc.notna().all():
+            assert table.loc[name, "heldout_mat"] == pytest.approx(1 + acc.cumprod().sum())
+        assert table.loc[name, "mat_lo"] <= table.loc[name, "mat"] <= table.loc[name, "mat_hi"]
+        assert table.loc[name, "token_passes"] == rows.loc[name, "train_tokens"]
+        assert table.loc[name, "unique_tokens"] == store.n_tokens
+    assert table.loc["hidden-ttt", "paper_mat"] == 2.37 and table.loc["none-ttt", "paper_alpha_0"] == 0.237
+    assert math.isnan(table.loc["block-kv", "paper_mat"])  # the paper has no block row
+    figures = tmp_path / "figures" / "reference-smoke"
+    for fig in ("02_per_step_accuracy", "02_learning_curves", "02_kv_ablation", "03_acceptance_by_step"):
+        assert (figures / f"{fig}.png").is_file(), fig
+    redrawn = redraw(figures, tmp_path / "redrawn", ["02_learning_curves"])  # kvshot figures, no model
+    assert (tmp_path / "redrawn" / f"{redrawn[0]}.png").read_bytes() == (
+        figures / f"{redrawn[0]}.png"
+    ).read_bytes()
+    note = budget_note(tmp_path / "runs" / "reference-smoke" / "results")  # notebook 04's caption on this run
+    precision = rows["precision"].iloc[0]  # bf16 where the CPU has it, else fp32
+    assert (
+        "token-passes per drafter over" in note and "unique tokens (published" in note and precision in note
+    )
+    captions = (figures / "data" / "captions.json").read_text()
+    assert "unique training tokens" in captions and "token-passes" in captions and precision in captions
+
+    # a second run reads every finished row back: nothing trains again, nothing is duplicated
+    run_reference(plan, "cpu", ("train",), ["hidden-ttt"], root=tmp_path, progress=False, figures=False)
+    again = pd.read_csv(data / "reference_rows.csv").set_index("drafter")
+    assert again.loc["hidden-ttt", "seconds"] == rows.loc["hidden-ttt", "seconds"]
+    assert len(pd.read_csv(data / "training_history.csv").query("drafter == 'hidden-ttt'")) == len(
+        history.query("drafter == 'hidden-ttt'")
+    )
     with pytest.raises(PlanError, match="steps"):
         run_reference(plan, "cpu", ("fly",), root=tmp_path)

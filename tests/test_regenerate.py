@@ -72,10 +72,10 @@ def test_regeneration_keeps_user_turns_and_answers_greedily(tiny_llama, cache):
 def test_regeneration_resumes_after_an_interruption(tiny_llama, cache, monkeypatch):
     kw = dict(max_new_tokens=4, max_turns=1, batch_size=2, shard_size=2, progress=False)
     real = regenerate.regenerate_conversations
-    calls = []
+    calls = []  # the conversation ids of each call
 
     def flaky(*args, **kwargs):
-        calls.append(1)
+        calls.append([cid for cid, _ in args[1]])
         if len(calls) == 2:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
@@ -86,8 +86,19 @@ def test_regeneration_resumes_after_an_interruption(tiny_llama, cache, monkeypat
     (folder,) = (cache / "regenerated").iterdir()
     first = (folder / "shard-00000.json").read_bytes()
     assert not (folder / "shard-00001.json").exists()
-    monkeypatch.setattr(regenerate, "regenerate_conversations", real)
+    kept = [r["id"] for r in json.loads(first)]
+    assert kept == calls[0]  # the first shard holds the first call's conversations
+    calls.clear()
+
+    def recorded(*args, **kwargs):
+        calls.append([cid for cid, _ in args[1]])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(regenerate, "regenerate_conversations", recorded)
     resumed = regenerate_sharegpt(tiny_llama, "eval", 5, 256, **kw)
+    # generation is deterministic, so a run that started over would write the same bytes: what shows that it
+    # resumed is which conversations it regenerated (none of the finished shard's)
+    assert calls and not set(kept) & {cid for call in calls for cid in call}
     assert (folder / "shard-00000.json").read_bytes() == first  # finished shards are kept, not redone
     assert len(json.loads((folder / "manifest.json").read_text())["shards"]) == 3
     monkeypatch.setenv("KVSHOT_CACHE", str(cache / "fresh"))

@@ -32,7 +32,7 @@ from kvshot_lib.drafters import (
     resolve_drafter,
     tree_attention_mask,
 )
-from kvshot_lib.evaluation import FidelityProbe, rouge_l, shadow_full
+from kvshot_lib.evaluation import FidelityProbe, rouge_l, shadow_full, specpv_fidelity
 
 SMALL = dict(budget=96, sink=32, window=32)  # R = 2 retrieved blocks of 16
 
@@ -234,7 +234,10 @@ def test_strict_equals_plain_decoding_where_specpv_diverges(llama, drafter_name)
 
 
 def test_strict_checks_output_that_ends_on_partially_verified_tokens(llama):
-    """A stop token chosen on partial logits is checked before generation ends."""
+    """A stop token chosen on partial logits is checked before generation ends. The premise is asserted: the
+    loose run with the same stop token ends on it, after tokens verified only partially, and differs from
+    plain decoding among those tokens (after its last full pass); so a strict run that skipped the final
+    check would end there too."""
     prompt = long_prompt(300, seed=0)
     ref = greedy(llama, prompt, 40)
     loose = specpv_generate(
@@ -247,10 +250,19 @@ def test_strict_checks_output_that_ends_on_partially_verified_tokens(llama):
     stop = loose.token_ids[5]  # a token the partial verifier emits early but plain decoding may not
     cfg = DecodeConfig(mode="ar", max_new_tokens=40, stop_token_ids=(stop,))
     want = autoregressive_generate(llama, prompt, cfg).token_ids
-    got = specpv_generate(
-        llama, None, prompt, cfg, SpecPVConfig(full_every=8, strict=True, **SMALL)
-    ).token_ids
-    assert got == want and ref[: len(want)] == want[: len(ref)]
+    exact = []  # tokens generated with exact K/V at each full pass (the prefill's token is the first)
+    pv = SpecPVConfig(full_every=8, **SMALL)
+    stopped = specpv_generate(
+        llama, None, prompt, cfg, pv, on_full=lambda c, _: exact.append(c.shape[1] - 300)
+    )
+    assert stopped.token_ids[-1] == stop and stopped.stop_reason == "stop_token"
+    diverges_at = specpv_fidelity.first_divergence(stopped.token_ids, want)
+    assert stopped.token_ids != want and diverges_at >= max(exact, default=1), (
+        "premise: a wrong unchecked tail"
+    )
+    got = specpv_generate(llama, None, prompt, cfg, SpecPVConfig(full_every=8, strict=True, **SMALL))
+    assert got.token_ids == want and ref[: len(want)] == want[: len(ref)]
+    assert got.rollbacks  # the final check rolled back the wrong tail
 
 
 def test_fidelity_probe_and_rouge(llama):
@@ -325,8 +337,12 @@ def test_cli_rejects_bad_partial_settings_before_loading(monkeypatch, flags, mes
 
 
 def test_partial_cache_refresh_selects_top_blocks(llama):
-    """With more candidate blocks than R, each KV head keeps the R best-scoring blocks, sorted, between
-    the sinks and the window; the compact K/V are the full cache's at those positions."""
+    """With more candidate blocks than R, each KV head keeps the R best-scoring blocks, sorted, between the
+    sinks and the window; the compact K/V are the full cache's at those positions. The expected blocks are
+    worked out here from the raw keys, not from the code's summaries: 250 tokens, 32 sinks, blocks of 16,
+    a 32-token window. After the sinks, 13 complete blocks (positions 32..239) and a tail of 10; the last 2
+    complete blocks and the tail are the window (208..249), so the candidates are the 11 blocks of
+    positions 32 + 16 b .. 47 + 16 b, b = 0..10, of which R = 2 are kept."""
     model = llama.model
     cache = DynamicCache(config=model.config)
     model(input_ids=torch.tensor([long_prompt(250)]), past_key_values=cache, use_cache=True)
@@ -337,11 +353,21 @@ def test_partial_cache_refresh_selects_top_blocks(llama):
     partial = PartialKVCache(cfg)
     partial.refresh(cache, queries, model.config)
     lay = layout(250, cfg)
+    assert (lay.sink_end, lay.n_candidates, lay.window_start) == (32, 11, 208)
     for li, layer in enumerate(cache.layers):
-        kmax, kmin = partial.summaries.kmax[li], partial.summaries.kmin[li]
-        best = block_scores(queries[li][0], kmax, kmin).topk(2, -1).indices  # [kvH, 2]
-        assert torch.equal(partial.positions[li], selected_positions(lay, best, 16))
-        pos = partial.positions[li]
-        idx = pos[None, :, :, None].expand(1, -1, -1, D)
-        assert torch.equal(partial.cache.layers[li].keys, layer.keys.gather(2, idx))
-    assert partial.n_static == 32 + 2 * 16 + (250 - lay.window_start)
+        keys = layer.keys[0]  # [kvH, 250, D]
+        kvh = keys.shape[0]
+        group = H // kvh
+        for h in range(kvh):
+            scores = []
+            for b in range(11):
+                block = keys[h, 32 + 16 * b : 48 + 16 * b]  # [16, D]: the raw keys of candidate b
+                kmax, kmin = block.amax(0), block.amin(0)
+                q = queries[li][0, h * group : (h + 1) * group].reshape(-1, D)  # the group's queries [g*3, D]
+                scores.append(torch.maximum(q * kmax, q * kmin).sum(-1).mean())  # Quest's bound, averaged
+            best = sorted(torch.stack(scores).topk(2).indices.tolist())
+            want = [*range(32), *(p for b in best for p in range(32 + 16 * b, 48 + 16 * b)), *range(208, 250)]
+            assert partial.positions[li][h].tolist() == want, (li, h)
+            assert torch.equal(partial.cache.layers[li].keys[0, h], keys[h, want])
+            assert torch.equal(partial.cache.layers[li].values[0, h], layer.values[0, h, want])
+    assert partial.n_static == 32 + 2 * 16 + 42

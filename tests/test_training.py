@@ -14,6 +14,7 @@ from kvshot_lib.training import (
     TrainConfigError,
     batch_from_target,
     evaluate_per_step,
+    loop,
     train_drafter,
 )
 
@@ -153,8 +154,18 @@ def test_resume_is_exact_and_finished_runs_return_from_disk(tiny_llama, stores, 
     assert (tmp_path / "cut" / "state" / "trainer.json").is_file() and not (
         tmp_path / "cut" / "config.json"
     ).exists()
-    monkeypatch.setattr(StoreBatches, "batch", real_batch)
+    assert loop.read_train_state(tmp_path / "cut")["step"] == 3  # save_every=3: the state after step 3
+    seen = []
+
+    def recorded(self, step):
+        seen.append(step)
+        return real_batch(self, step)
+
+    monkeypatch.setattr(StoreBatches, "batch", recorded)
     resumed = train_drafter(tiny_llama, train, held, PARAMS, tmp_path / "cut", progress=False)
+    # batches, branches and initialization are functions of the step: a "resume" that started over would
+    # give the same weights, so the steps the resumed call ran are what shows that it resumed
+    assert seen == [3, 4, 5]
     a, b = full.drafter.state_dict(), resumed.drafter.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["loss"] for r in full.logs["history"]] == [r["loss"] for r in resumed.logs["history"]]

@@ -146,11 +146,14 @@ def tokenize_sharegpt(
     offset: int = 0,
     eval_size: int = DEFAULT_EVAL_SIZE,
     use_cache: bool = True,
+    min_len: int = 0,
 ) -> TokenizedSplit:
     """Conversations ``offset .. offset+n`` of a seeded split, chat-templated, capped at ``max_len`` tokens.
 
     Conversations whose capped version has no assistant token, or whose template does not copy
     contents verbatim, are skipped and counted; the slice is topped up from the following ones.
+    ``min_len`` also skips conversations shorter than that many tokens (the reference run trains on
+    512–1,024-token sequences).
     """
     for k, v in dict(n_conversations=n_conversations, max_len=max_len, offset=offset).items():
         if not isinstance(v, int) or v < (1 if k != "offset" else 0):
@@ -165,6 +168,10 @@ def tokenize_sharegpt(
         eval_size=eval_size,
         tokenizer=tokenizer_fingerprint(tokenizer),
     )
+    if min_len:  # only when set, so that the slices cached before it keep their key
+        if not isinstance(min_len, int) or not 0 < min_len <= max_len:
+            raise ValueError(f"min_len must be an integer in 1..max_len={max_len}, got {min_len!r}.")
+        spec["min_len"] = min_len
     path = split_cache_path(spec)
     if use_cache and path.is_file():
         return _load_split(path, spec)
@@ -183,6 +190,9 @@ def tokenize_sharegpt(
                 continue
             if not any(mask):
                 counts["no_assistant_token_within_cap"] += 1
+                continue
+            if len(tok) < min_len:
+                counts["shorter_than_min_len"] += 1
                 continue
             ids.append(torch.tensor(tok, dtype=torch.int64))
             masks.append(torch.tensor(mask, dtype=torch.bool))

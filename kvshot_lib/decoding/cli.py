@@ -14,7 +14,10 @@ expected speed under the measured cost model (measured once per machine and prec
 Arguments are checked before the target is loaded: an unknown drafter, a drafter path that is not a
 checkpoint folder, a drafter with ``--mode ar`` (or none with chain/tree), a negative temperature, or a
 bad partial-verification setting (negative budget, a block size that does not divide it, P < 0) fail at
-once with a message saying what to pass instead.
+once with a message saying what to pass instead; so do a checkpoint trained for another target and an early
+exit deeper than the target, whenever ``--target``'s config can be read without its weights (the presets, a
+local folder). What only the loaded target can tell (same architecture, other weights) fails after loading,
+as one line too. ``tests/test_cli_errors.py`` runs each of these through the command line.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import sys
 from pathlib import Path
 
 from ..drafters.baselines import BASELINES, drafter_for_target, is_baseline_name, resolve_drafter
+from ..drafters.checkpoint import read_config
+from ..target import target_architecture
 from ..target.precision import DECODE_PRECISIONS
 from .cycle import MODES, SHAPES, DecodeConfig
 from .dispatch import generate
@@ -90,9 +95,21 @@ def add_cli(sub) -> None:
     g.set_defaults(func=_cli_generate)
 
 
-def check_drafter_spec(spec: str) -> None:
-    """Fail fast on a drafter argument that cannot work, before any model is loaded."""
-    if spec == "none" or is_baseline_name(spec):
+def check_drafter_spec(spec: str, target: str | None = None) -> None:
+    """Fail fast on a drafter argument that cannot work, before any model is loaded: an unknown name, a path
+    that is not a (complete) checkpoint folder; and, when ``target``'s architecture can be read from its config
+    alone (:func:`~kvshot_lib.target.target_architecture`), a checkpoint trained for another architecture or
+    an early exit deeper than the target."""
+    if spec == "none":
+        return
+    if is_baseline_name(spec):
+        arch = target_architecture(target) if target and spec.startswith("early-exit-") else None
+        n = int(spec.removeprefix("early-exit-")) if arch else 0
+        if arch and not 1 <= n <= arch["n_layers"]:
+            raise SystemExit(
+                f"kvshot: --drafter {spec}: the target {target} has {arch['n_layers']} layers; use "
+                f"early-exit-<n> with n in 1..{arch['n_layers']}."
+            )
         return
     path = Path(spec).expanduser()
     if not path.exists():
@@ -105,6 +122,28 @@ def check_drafter_spec(spec: str) -> None:
             f"kvshot: {path} is not a drafter checkpoint: expected a folder with config.json and "
             "model.safetensors, as written by notebook 02."
         )
+    try:
+        cfg = read_config(path)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"kvshot: {e}") from None
+    arch = target_architecture(target) if target else None
+    trained_for = (cfg.target_fingerprint, cfg.target_vocab_size)
+    if arch and (arch["fingerprint"], arch["vocab_size"]) != trained_for:
+        raise SystemExit(
+            f"kvshot: the drafter at {path} was trained for target {cfg.target_name!r} (architecture "
+            f"{cfg.target_fingerprint}, vocab {cfg.target_vocab_size}), but --target {target} is another "
+            f"(architecture {arch['fingerprint']}, vocab {arch['vocab_size']}). Pass --target "
+            f"{cfg.target_name}, or a drafter trained for {target}."
+        )
+
+
+def load_cli_drafter(spec: str, target, seed: int):
+    """The drafter of ``spec`` for the loaded ``target``; what only the loaded target can refuse (a checkpoint
+    of the same architecture with other weights, an early exit deeper than it) is a one-line error."""
+    try:
+        return resolve_drafter(spec, target, seed)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"kvshot: --drafter {spec}: {e}") from None
 
 
 def decode_config(args, mode: str) -> DecodeConfig:
@@ -179,11 +218,11 @@ def _cli_generate(args) -> int:
         raise SystemExit(
             "kvshot: --shape chosen and --lookup shape a drafter's proposal; plain decoding has none."
         )
-    check_drafter_spec(args.drafter)
     cfg = decode_config(args, mode)
     partial = partial_config(args)
+    check_drafter_spec(args.drafter, args.target)
     target = load_cli_target(args)
-    drafter = resolve_drafter(args.drafter, target, args.seed)
+    drafter = load_cli_drafter(args.drafter, target, args.seed)
     target, drafter = _in_precision(target, drafter, args.precision)
     if args.shape == "chosen" or args.lookup:
         from dataclasses import replace

@@ -199,9 +199,12 @@ def _specpv(target, drafter, prompt_ids, cfg, pv, on_partial, on_full, prefill) 
         if cap > 0 and session is not None:
             full = passes.full
             view = TargetView(
-                cache=full if P == passes.F else PendingView(full, passes.partial), hidden=state.hidden
+                cache=full if P == passes.F else PendingView(full, passes.partial),
+                hidden=state.hidden,
+                rewritten_from=passes.rewritten_from,
             )
             tree = state.draft(session, view, cap)
+            passes.rewritten_from = None  # the drafter has read the rewritten positions again
         t_verify = time.perf_counter()
         result.draft_s += t_verify - t_draft
         if check_only or passes.full_pass_due(P):
@@ -239,6 +242,9 @@ class _Passes:
         self.F = state.prompt_len
         self.partial: PartialKVCache | None = None
         self.q_partial: list[Tensor] = []
+        self.rewritten_from: int | None = (
+            None  # first position a full pass re-fed since the drafter last drafted
+        )
         self.rolled_back = False
         self.mask_dtype = next(model.parameters()).dtype
         self.all_layers = range(model.config.num_hidden_layers)
@@ -257,6 +263,8 @@ class _Passes:
         state, result, pv, dev = self.state, self.state.result, self.pv, self.state.ids.device
         t_verify = time.perf_counter()
         F, n_pend = self.F, P - self.F
+        if n_pend:  # re-fed: their exact K/V replace the partial pass's, which a drafter may have read
+            self.rewritten_from = F if self.rewritten_from is None else min(self.rewritten_from, F)
         block, positions, mask = full_block(F, state.committed[:, F : P + 1], tree, self.mask_dtype, dev)
         refresh = not check_only and (P + 1 > pv.budget or pv.always_partial)
         with capture(

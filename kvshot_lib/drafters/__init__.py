@@ -37,6 +37,7 @@ from .config import (
 )
 from .kv import KVDrafter, RecencyBias
 from .session import TrainedDraftSession
+from .target_init import init_attention_from_target
 from .tree_mask import ancestor_matrix, tree_attention_mask
 from .unroll import TrainBatch, UnrollContext, ttt_attention_mask
 from .vocab import count_tokens, coverage, draft_vocab_from_counts, target_to_draft, vocab_hash
@@ -71,6 +72,7 @@ __all__ = [
     "drafter_config_for",
     "drafter_for_target",
     "drafters_for_run",
+    "init_attention_from_target",
     "is_baseline_name",
     "load_drafter",
     "read_config",

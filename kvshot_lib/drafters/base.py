@@ -10,6 +10,9 @@ one *cycle* at a time, as a tree (a chain is a tree whose every node has one chi
    (output of decoder layer ``l``) for the positions committed since the previous call, i.e. positions
    ``P - n_new .. P-1`` (all ``0..P-1`` on the first call). The session ingests them and returns the
    root's draft logits ``[V_draft]``: the distribution of the token after the root (draft step 0).
+   ``view.rewritten_from`` (usually None) is the first position whose K/V in ``view.cache`` changed since
+   the previous cycle: SpecPV's full pass re-feeds the positions verified only partially, so a session
+   that keeps the target's K/V must read positions ``rewritten_from..P-1`` again.
 2. ``expand(tokens, parents)`` — adds ``n`` draft nodes (target ids ``tokens [n]``) to the cycle's tree.
    ``parents[i]`` is the index of node ``i``'s parent among all nodes added this cycle (0-based, in call
    order), or ``-1`` if its parent is the root. A node at tree depth ``d`` (root children: ``d = 0``)
@@ -36,6 +39,7 @@ class TargetView:
 
     cache: object  # transformers DynamicCache with exactly the committed positions 0..P-1
     hidden: dict[int, Tensor]  # layer -> [1, n_new, hidden]: positions committed since the last cycle
+    rewritten_from: int | None = None  # positions >= this have new K/V since the last cycle: read them again
 
 
 @runtime_checkable

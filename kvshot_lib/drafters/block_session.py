@@ -61,7 +61,7 @@ class BlockDraftSession:
         committed = committed.to(d.head.device)
         P = self.P = committed.shape[1] - 1
         if self.tgt is not None:
-            self.tgt.ingest(view.cache, P)
+            self.tgt.ingest(view.cache, P, getattr(view, "rewritten_from", None))
         if self.own is not None:
             self._ingest_hidden(view.hidden, P)
         positions = torch.arange(P, P + self.K + 1, device=d.head.device)  # [K+1]

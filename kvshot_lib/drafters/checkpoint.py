@@ -1,5 +1,9 @@
 """Drafter checkpoints: ``config.json`` (the :class:`DrafterConfig`) + ``model.safetensors`` (the state dict).
 
+A checkpoint saved with a per-file limit (``save_drafter(..., max_file_bytes=...)``, the reference run's
+committed checkpoints) splits its tensors over ``model-00001-of-00002.safetensors``, ... instead; every reader
+goes through :func:`read_weights`, which takes either layout.
+
 The state dict is the drafter's trainable parameters plus ``d2t`` (the draft vocabulary) and
 ``target_probe`` (a sample of the target's embedding). The frozen embedding and LM head are the target's
 and are never saved, so loading needs the target, and refuses one that is not the drafter's: another
@@ -20,6 +24,7 @@ from .config import DrafterConfig, DrafterConfigError, DrafterTargetMismatch
 from .vocab import vocab_hash
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+SHARD_GLOB = "model-*-of-*.safetensors"
 
 
 def drafter_class(paradigm: str):
@@ -46,11 +51,15 @@ def build_drafter(cfg: DrafterConfig, target, d2t: torch.Tensor, seed: int | Non
         return drafter_class(cfg.paradigm)(cfg, target, d2t).to(device)
 
 
-def save_drafter(drafter, path: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` under ``path`` (atomically per file).
+def save_drafter(
+    drafter, path: str | Path, dtype: torch.dtype | None = None, max_file_bytes: int | None = None
+) -> Path:
+    """Write ``config.json`` and the weights under ``path`` (atomically per file).
 
     ``dtype`` (e.g. ``torch.bfloat16``) stores the trainable weights in that dtype (the reference run's committed
-    checkpoints); ``d2t`` and ``target_probe`` keep theirs. Loading casts back to the drafter's dtype."""
+    checkpoints); ``d2t`` and ``target_probe`` keep theirs. Loading casts back to the drafter's dtype.
+    ``max_file_bytes`` splits the tensors over numbered files of at most about that size each (a tensor is never
+    cut), when they do not fit one."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
@@ -58,14 +67,61 @@ def save_drafter(drafter, path: str | Path, dtype: torch.dtype | None = None) ->
         state = {
             k: v.to(dtype) if v.is_floating_point() and k != "target_probe" else v for k, v in state.items()
         }
-    tmp = path / (WEIGHTS_FILE + ".tmp")
-    save_file(state, str(tmp), metadata={"format": drafter.cfg.format})
-    tmp.rename(path / WEIGHTS_FILE)
+    for old in (path / WEIGHTS_FILE, *path.glob(SHARD_GLOB)):  # a save replaces either layout
+        old.unlink(missing_ok=True)
+    groups = _shards(state, max_file_bytes)
+    names = (
+        [WEIGHTS_FILE]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    for name, keys in zip(names, groups):
+        tmp = path / (name + ".tmp")
+        save_file({k: state[k] for k in keys}, str(tmp), metadata={"format": drafter.cfg.format})
+        tmp.rename(path / name)
     cfg = drafter.cfg.as_dict()
     cfg["vocab_hash"] = vocab_hash(drafter.d2t.cpu())
     (path / (CONFIG_FILE + ".tmp")).write_text(json.dumps(cfg, indent=1))
     (path / (CONFIG_FILE + ".tmp")).rename(path / CONFIG_FILE)
     return path
+
+
+def _shards(state: dict, max_bytes: int | None) -> list[list[str]]:
+    """The tensor names of each file, in state order: one file, or groups of at most ``max_bytes`` each."""
+    groups, size = [[]], 0
+    for k, v in state.items():
+        n = v.numel() * v.element_size()
+        if max_bytes and groups[-1] and size + n > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += n
+    return groups
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The weight files of the checkpoint at ``path``: ``model.safetensors``, or its numbered shards."""
+    path = Path(path)
+    if (path / WEIGHTS_FILE).is_file():
+        return [path / WEIGHTS_FILE]
+    shards = sorted(path.glob(SHARD_GLOB))
+    total = {s.name.rsplit("-of-", 1)[1].split(".")[0] for s in shards}
+    if shards and len(total) == 1 and int(total.pop()) == len(shards):
+        return shards
+    found = f" (found {len(shards)} shard files, not a complete set)" if shards else ""
+    raise FileNotFoundError(
+        f"The drafter checkpoint {path} lacks {WEIGHTS_FILE}{found}; it is incomplete (an interrupted "
+        "save or copy?). Retrain it, or resume its training."
+    )
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at ``path``, as saved (either layout)."""
+    state = {}
+    for file in weight_files(path):
+        with safe_open(str(file), "pt") as f:
+            state.update({k: f.get_tensor(k) for k in f.keys()})
+    return state
 
 
 def read_config(path: str | Path) -> DrafterConfig:
@@ -75,12 +131,12 @@ def read_config(path: str | Path) -> DrafterConfig:
             f"No drafter checkpoint at {path}: expected a folder with {CONFIG_FILE} and "
             f"{WEIGHTS_FILE} (written by save_drafter / notebook 02)."
         )
-    for f in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (path / f).is_file():
-            raise FileNotFoundError(
-                f"The drafter checkpoint {path} lacks {f}; it is incomplete (an interrupted "
-                "save?). Retrain it, or resume its training."
-            )
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(
+            f"The drafter checkpoint {path} lacks {CONFIG_FILE}; it is incomplete (an interrupted "
+            "save?). Retrain it, or resume its training."
+        )
+    weight_files(path)
     try:
         raw = json.loads((path / CONFIG_FILE).read_text())
     except json.JSONDecodeError as e:
@@ -96,8 +152,7 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None):
     path = Path(path)
     cfg = read_config(path)
     cfg.check_target(target.info, where=f"the drafter at {path}")
-    with safe_open(str(path / WEIGHTS_FILE), "pt") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}
+    state = read_weights(path)
     if "d2t" not in state:
         raise DrafterConfigError(
             f"{path / WEIGHTS_FILE} has no d2t tensor; it is not a KVShot drafter checkpoint."

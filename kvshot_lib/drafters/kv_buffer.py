@@ -5,7 +5,7 @@
 * :class:`TargetKV`: the target's KV of the drafter's chosen layers as each drafter layer reads it (after its
   :class:`~.kv.KVInjector`, through ``drafter.inject``), rows ``0..n-1`` = positions ``0..n-1``. Each cycle
   :meth:`TargetKV.ingest` reads only the positions new since the last one; a shorter context than before is
-  a new one, read from the start.
+  a new one, read from the start; positions SpecPV rewrote (``TargetView.rewritten_from``) are read again.
 
 Both sessions use them: :class:`~.session.TrainedDraftSession` (KV-only and hybrid drafters) and
 :class:`~.block_session.BlockDraftSession` (the block drafter, ``context: kv`` or ``both``).
@@ -56,8 +56,10 @@ class TargetKV(LayerKV):
         super().__init__(cfg.n_layers, heads, dim, capacity, drafter.head.device, drafter.head.dtype)
         self.drafter, self.n = drafter, 0
 
-    def ingest(self, cache, P: int) -> None:
-        """Hold positions ``0..P-1`` of the target's ``cache`` (a DynamicCache holding at least those)."""
+    def ingest(self, cache, P: int, rewritten_from: int | None = None) -> None:
+        """Hold positions ``0..P-1`` of the target's ``cache`` (a DynamicCache holding at least those).
+        ``rewritten_from``: the cache's positions from there on were rewritten since the last cycle (SpecPV
+        re-fed them in a full pass), so the partial-pass K/V held for them is dropped and read again."""
         d = self.drafter
         layers = d.cfg.kv_layers
         have = cache.layers[layers[0]].keys.shape[2]
@@ -65,6 +67,8 @@ class TargetKV(LayerKV):
             raise ValueError(
                 f"drafter session: the target cache holds {have} positions, the contract says {P}."
             )
+        if rewritten_from is not None:
+            self.n = min(self.n, rewritten_from)
         if self.n > P:
             self.n = 0  # a new context: re-read everything
         if self.n == P:

@@ -87,7 +87,7 @@ class TrainedDraftSession:
         P = committed.shape[1] - 1
         self.P, self.n_nodes, self._mode = P, 0, "context"
         if self.tgt is not None:
-            self.tgt.ingest(view.cache, P)
+            self.tgt.ingest(view.cache, P, getattr(view, "rewritten_from", None))
         if d.cfg.uses_hidden or d.cfg.own_context:
             if d.cfg.uses_hidden:
                 feats = torch.cat(

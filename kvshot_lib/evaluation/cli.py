@@ -22,8 +22,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..decoding.cli import check_drafter_spec, decode_args, decode_config, load_cli_target
-from ..drafters import resolve_drafter
+from ..decoding.cli import check_drafter_spec, decode_args, decode_config, load_cli_drafter, load_cli_target
 from ..target import DECODE_PRECISIONS
 from . import speed_table, speedup
 
@@ -77,10 +76,10 @@ def add_cli(sub) -> None:
 
 
 def _cli_bench(args) -> int:
-    for spec in args.drafters:
-        check_drafter_spec(spec)
     if not 1 <= args.n_questions <= 80:
-        raise SystemExit("kvshot: --n-questions must be in 1..80.")
+        raise SystemExit(
+            f"kvshot: --n-questions takes a number of MT-bench questions in 1..80, got {args.n_questions}."
+        )
     if args.repeats < 1:
         raise SystemExit(f"kvshot: --repeats must be >= 1, got {args.repeats}.")
     base = decode_config(args, "chain")
@@ -98,8 +97,10 @@ def _cli_bench(args) -> int:
                 f"kvshot: --drafter-methods takes NAME=M1,M2 with methods of {speedup.METHODS}: {item!r}"
             )
         drafter_methods[name] = tuple(listed.split(","))
+    for spec in args.drafters:
+        check_drafter_spec(spec, args.target)
     target = load_cli_target(args)
-    drafters = {_label(spec): resolve_drafter(spec, target, args.seed) for spec in args.drafters}
+    drafters = {_label(spec): load_cli_drafter(spec, target, args.seed) for spec in args.drafters}
     setups = speedup.precision_setups(target, drafters, args.precisions)
     machine = speedup.machine_info()
 

@@ -46,6 +46,7 @@ def curve_table(curve: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> pd.Da
             target_kv=r.get("target_kv", "real"),
             budget_step=int(r["budget_step"]),
             tokens=int(r["tokens"]),
+            **{k: r[k] for k in ("precision", "cpu", "bf16_isa") if k in r},
         )
         for k in steps:
             if f"acc_{k}" not in CURVE_METRICS or not ok[k]:

@@ -47,6 +47,8 @@ class FigureSpec:
 
 
 def _n_range(values) -> str:
+    if not len(values):  # e.g. no step reached the attempts a point needs
+        return "0"
     lo, hi = int(min(values)), int(max(values))
     return f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"
 

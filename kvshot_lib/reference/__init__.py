@@ -1,18 +1,22 @@
-"""The reference run: the paper's Table 5 at SmolLM2 scale, trained to convergence (issue 13).
+"""The reference run: the KVShot paper's headline drafters at SmolLM2 scale, trained to a plateau (issue 19).
 
 It sits on top of the stages, like the runner. The plan comes from a profile's ``reference`` section
-(:mod:`.plan`: the rows, their training settings, the data, the evaluation); :mod:`.run` regenerates the
-responses, trains the rows and evaluates them on MT-bench on this machine; :mod:`.tables` writes the run's
-tables (Table 5 among them) and figures into ``runs/<profile>/`` and ``figures/<profile>/``. The command line is
-``python -m kvshot_lib.reference`` (:mod:`.__main__`); README's "Reference run" section shows the calls.
+(:mod:`.plan`: the rows, their training settings, the data, the budget, the evaluation); :mod:`.data` makes the
+ShareGPT slices and their feature store; :mod:`.run` trains the rows one after the other (resumably), evaluates
+them on MT-bench and runs the profile's notebooks; :mod:`.checkpoints` copies the headline rows to
+``checkpoints/<run>/``; :mod:`.tables` writes the run's tables (Table 5 among them) and figures into
+``runs/<run>/`` and ``figures/<run>/``. The command line is ``python -m kvshot_lib.reference``
+(:mod:`.__main__`); README's "Reference run" section shows the calls.
 
 A remote GPU with limits of its own (minutes per command, files per call) is a transport, not a stage:
-``scripts/reference/`` packs the assets, time-boxes jobs around these functions and merges what comes back.
+``scripts/reference/`` packs the assets, time-boxes jobs around these functions and merges what comes back
+(the ``reference-gpu`` profile).
 """
 
-from . import plan, run, tables
+from . import checkpoints, data, plan, run, tables
+from .checkpoints import commit_checkpoint, folder_bytes
 from .plan import Job, Plan, PlanError, Row, load_plan
-from .run import run_reference
+from .run import run_reference, status
 from .tables import update_run
 
 __all__ = [
@@ -20,10 +24,15 @@ __all__ = [
     "Plan",
     "PlanError",
     "Row",
+    "checkpoints",
+    "commit_checkpoint",
+    "data",
+    "folder_bytes",
     "load_plan",
     "plan",
     "run",
     "run_reference",
+    "status",
     "tables",
     "update_run",
 ]

@@ -1,17 +1,25 @@
-"""The reference run's plan: the ``reference`` section of a profile as validated rows and jobs.
+"""The reference run's plan: the ``reference`` section of a profile as validated rows (and optional jobs).
 
 A row is one line of the paper's Table 5 at SmolLM2 scale: a name, the :class:`TrainConfig` parameters that
 differ from the shared ``training`` ones, and three keys of its own:
 
 * ``like: <row>`` starts from another row's parameters (seeds, the original-responses control);
 * ``init_from: <row>`` starts its weights from that row's trained checkpoint (the paper's "from the EAGLE-3
-  checkpoint"); ``kv_mode: best`` takes the profile's ``best_kv_mode``;
+  checkpoint"); ``init_from: target`` starts a KV drafter's attention from the target layers it reads (a
+  :class:`TrainConfig` value); ``kv_mode: best`` takes the profile's ``best_kv_mode``;
 * ``responses: original | regenerated`` overrides the data's responses for this row.
 
-A job is one device command: ``kind: train`` (the default) trains its rows one after the other within the
-job's minutes; ``kind: regenerate`` regenerates ShareGPT responses with the target; ``kind: eval`` measures
-its rows on MT-bench. :func:`load_plan` validates all of it (unknown rows, cycles, bad parameters) before
-anything runs; ``smoke=True`` applies the profile's ``smoke`` overrides (the CPU dry run).
+Beside the rows: ``data`` (the ShareGPT slices), ``budget`` (``token_passes``: the cap every row trains to at
+most, turned into optimizer steps on the data, see :func:`~.data.train_steps_for`), ``checkpoints`` (the limits
+of the committed checkpoints), ``eval`` (MT-bench; ``rows`` defaults to every trained row) and ``notebooks``
+(parameters of the profile's notebooks when the run executes them).
+
+Jobs are for the time-boxed remote GPU transport only (``scripts/reference/``, the ``reference-gpu`` profile): a
+job is one device command: ``kind: train`` (the default) trains its rows one after the other within the job's
+minutes; ``kind: regenerate`` regenerates ShareGPT responses with the target; ``kind: eval`` measures its rows on
+MT-bench. :func:`load_plan` validates all of it (unknown rows, cycles, bad parameters) before anything runs;
+``smoke=True`` applies the profile's ``smoke`` overrides (the whole path on a tiny target on the CPU), and the run
+then writes under ``<profile>-smoke`` (:attr:`Plan.run_name`) so it never overwrites the real run's outputs.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from dataclasses import dataclass, field
 from ..runner import load_profile
 from ..training import TrainConfig, TrainConfigError
 
-ROW_KEYS = ("name", "like", "headline", "responses")
+ROW_KEYS = ("name", "like", "headline", "responses", "paper")
 JOB_KINDS = ("train", "regenerate", "eval")
 RESPONSES = ("regenerated", "original")
 
@@ -38,6 +46,7 @@ class Row:
     headline: bool = False
     responses: str = "regenerated"
     init_row: str | None = None  # the row whose checkpoint init_from names
+    paper: str = ""  # the line of the paper's Table 5 this row stands for (reference_table.csv)
 
     def train_config(self, **overrides) -> TrainConfig:
         return TrainConfig.from_params({**self.params, "name": self.name, **overrides})
@@ -65,6 +74,17 @@ class Plan:
     jobs: dict[str, Job]
     eval: dict
     smoke: bool = False
+    budget: dict = field(default_factory=dict)  # token_passes: the cap of every row
+    checkpoints: dict = field(default_factory=dict)  # max_file_mb, max_total_mb
+    notebooks: dict = field(default_factory=dict)  # parameters of the profile's notebooks in the run
+    comparisons: list = field(
+        default_factory=list
+    )  # [(drafter, minus)]: gaps by budget beside the standard ones
+
+    @property
+    def run_name(self) -> str:
+        """The folder name of the run's outputs (runs/, figures/, checkpoints/): the profile's, or ``-smoke``."""
+        return f"{self.profile}-smoke" if self.smoke else self.profile
 
     def job(self, name: str) -> Job:
         if name not in self.jobs:
@@ -78,6 +98,16 @@ class Plan:
 
     def headline_rows(self) -> list[str]:
         return [n for n, r in self.rows.items() if r.headline]
+
+    def training_order(self) -> list[str]:
+        """Every row in the order it trains: the train jobs' order where there are jobs, then the plan's."""
+        order = [r for job in self.jobs.values() if job.kind == "train" for r in job.rows]
+        return list(dict.fromkeys(order + list(self.rows)))
+
+    def eval_rows(self) -> list[str]:
+        """The rows measured on MT-bench: the eval jobs', else ``eval.rows``, else every row."""
+        named = [r for job in self.jobs.values() if job.kind == "eval" for r in job.rows]
+        return named or list(self.eval.get("rows") or self.rows)
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -134,19 +164,30 @@ def load_plan(profile: str = "reference", smoke: bool = False) -> Plan:
         if job.name in jobs:
             raise PlanError(f"job {job.name!r} appears twice.")
         jobs[job.name] = job
+    bad = [c for c in raw.get("comparisons") or [] if len(c) != 2 or not set(c) <= set(rows)]
+    if bad:
+        raise PlanError(f"comparisons must be [drafter, minus] pairs of the plan's rows; got {bad}.")
+    ev = raw.get("eval") or {}
+    unknown = [r for r in ev.get("rows") or [] if r not in rows]
+    if unknown:
+        raise PlanError(f"eval.rows names rows {unknown} that the plan does not define.")
     return Plan(
         profile=prof.name,
         target=params["target"],
-        device=params.get("device", "cuda"),
-        dtype=params.get("dtype", "bfloat16"),
+        device=params.get("device", "auto"),
+        dtype=params.get("dtype", "auto"),
         seed=int(params.get("seed", 0)),
         minutes=minutes,
         data=raw["data"],
         training=training,
         rows=rows,
         jobs=jobs,
-        eval=raw.get("eval") or {},
+        eval=ev,
         smoke=smoke,
+        budget=dict(raw.get("budget") or {}),
+        checkpoints=dict(raw.get("checkpoints") or {}),
+        notebooks=dict(raw.get("notebooks") or {}),
+        comparisons=[tuple(c) for c in raw.get("comparisons") or []],
     )
 
 
@@ -167,8 +208,10 @@ def _rows(specs: list, training: dict, best_kv_mode: str, responses: str) -> dic
             if base not in raw_by_name or base in seen:
                 raise PlanError(f"row {name!r}: 'like: {base}' names no earlier row (or a cycle).")
             seen.add(base)
-            own = {**{k: v for k, v in raw_by_name[base].items() if k not in ("name", "headline")}, **own}
+            skip = ("name", "headline", "paper")
+            own = {**{k: v for k, v in raw_by_name[base].items() if k not in skip}, **own}
         headline = bool(own.pop("headline", False))
+        paper = str(own.pop("paper", ""))
         resp = own.pop("responses", responses)
         own.pop("name")
         if resp not in RESPONSES:
@@ -176,6 +219,10 @@ def _rows(specs: list, training: dict, best_kv_mode: str, responses: str) -> dic
         if own.get("kv_mode") == "best":
             own["kv_mode"] = best_kv_mode
         init_row = own.pop("init_from", None)
+        if (
+            init_row == "target"
+        ):  # a TrainConfig value (the KV drafter's attention from the target), not a row
+            own["init_from"], init_row = "target", None
         if init_row is not None and init_row not in raw_by_name:
             raise PlanError(f"row {name!r}: init_from names {init_row!r}, which is not a row of the plan.")
         params = {**training, **own}
@@ -183,5 +230,5 @@ def _rows(specs: list, training: dict, best_kv_mode: str, responses: str) -> dic
             TrainConfig.from_params({**params, "name": name})
         except TrainConfigError as e:
             raise PlanError(f"row {name!r}: {e}") from None
-        rows[name] = Row(name, params, headline, resp, init_row)
+        rows[name] = Row(name, params, headline, resp, init_row, paper)
     return rows

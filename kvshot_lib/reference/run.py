@@ -1,18 +1,23 @@
-"""The reference run on one machine: regenerate the responses, train the plan's rows, evaluate them on MT-bench.
+"""The reference run on one machine: the plan's rows trained one after the other, evaluated, tabled and drawn.
 
-    python -m kvshot_lib.reference --profile reference --device cuda       # the whole run, on a GPU
-    python -m kvshot_lib.reference --smoke --device cpu                    # the same path at smoke scale
+    python -m kvshot_lib.reference                                         # the whole run, resumable
+    python -m kvshot_lib.reference --smoke                                 # the same path at smoke scale
 
 :func:`run_reference` does the steps in order, and rewrites the run's tables and figures after each trained
 row and after the evaluation (:func:`~.tables.update_run`), so a run stopped half-way keeps what it finished:
 
-* ``regenerate``: the target's own greedy answers to the held-out, then the training ShareGPT slice
-  (:func:`regenerate`; resumable, cached as JSON);
-* ``train``: every row of the plan in its jobs' order (or the rows asked for), online, one held-out set and one
-  draft vocabulary for all (:func:`train_row`); checkpoints go to ``runs/<profile>/drafters/<row>``, where
-  notebooks 03 and 06 look for drafters;
-* ``eval``: the plan's evaluation rows and the n-gram baseline on MT-bench: acceptance by step in chain and tree
-  at temperature 0 by greedy replay, then a chain at temperature 1 with the engine (:func:`evaluate`).
+* ``regenerate`` (plans with ``responses: regenerated``, a GPU's job): the target's own greedy answers to the
+  held-out, then the training ShareGPT slice (:func:`regenerate_split`; resumable, cached as JSON);
+* ``train``: every row of the plan in order (or the rows asked for), on one held-out set and one draft vocabulary
+  (:mod:`.data`): each row trains to the plan's plateau rule or its token-pass cap (:func:`train_row`), resumes
+  where a killed run last saved (bit-identical, :func:`~kvshot_lib.training.train_drafter`), and a finished row
+  is read back, not retrained. After each row: its KV ablation (real / zeroed / shuffled target KV, KV readers),
+  its wall time and machine, and, for the plan's headline rows, its committed checkpoint
+  (:mod:`.checkpoints`). Trained drafters go to ``runs/<run>/drafters/<row>``, where notebooks 03, 04 and 06 look;
+* ``eval``: the trained rows and the n-gram baseline on MT-bench: acceptance by step in chain and tree at
+  temperature 0 by greedy replay, then a chain at temperature 1 with the engine on a subset (:func:`evaluate`);
+* ``notebooks``: the profile's notebooks (notebook 04: query-estimation error and the causal check of the KV
+  readers) through the runner, on the same ``runs/<run>/`` and ``figures/<run>/``.
 
 Each piece takes what it needs as arguments, so a runner with limits of its own (the time-boxed remote jobs of
 ``scripts/reference/``) calls the same functions.
@@ -23,19 +28,21 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-from ..corpus import cached_regeneration, regenerate_sharegpt, tokenize_sharegpt
+from ..corpus import regenerate_sharegpt
 from ..target import assets, load_target
 from ..target.assets import REPO_ROOT
+from .checkpoints import commit_checkpoint
+from .data import RowData, data_splits, draft_vocab, row_data, train_steps_for
 from .plan import Plan, PlanError, Row
 from .tables import acceptance_tables, trained_tables, update_run
 
-STEPS = ("regenerate", "train", "eval")
+STEPS = ("regenerate", "train", "eval", "notebooks")
+__all__ = ["RowData", "data_splits", "draft_vocab", "row_data", "run_reference", "train_row"]
 
 
 def environment(device: str) -> dict:
@@ -46,8 +53,14 @@ def environment(device: str) -> dict:
     return dict(env, gpu=env["gpu"] if device.startswith("cuda") else None)
 
 
+def resolve_device(device: str) -> str:
+    """``auto``: CUDA when there is one, else the CPU (as ``load_target`` picks)."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
 def load_reference_target(plan: Plan, device: str):
-    """The plan's target on ``device``: its dtype on a GPU (TF32 matmuls for the fp32 drafters), fp32 elsewhere."""
+    """The plan's target on ``device``: its dtype on a GPU (TF32 matmuls for the fp32 drafters), fp32 elsewhere
+    (the drafters and the extraction then run under bf16 autocast where the CPU has it: ``mixed_precision``)."""
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -55,82 +68,30 @@ def load_reference_target(plan: Plan, device: str):
     return load_target(plan.target, device=device, dtype=dtype, seed=plan.seed)
 
 
-# --------------------------------------------------------------------------------------------------- data
-
-
-def data_splits(plan: Plan, target, responses: str):
-    """(training, held-out) TokenizedSplits and what they are: regenerated where the regeneration has reached."""
-    d = plan.data
-    train = tokenize_sharegpt(
-        target.tokenizer, "train", d["n_train_conversations"], d["max_len"], seed=plan.seed
-    )
-    held = tokenize_sharegpt(
-        target.tokenizer, "eval", d["n_eval_conversations"], d["max_len"], seed=plan.seed
-    )
-    if responses == "original":
-        return train, held, "original"
-    r = plan.data["regenerate"]
-    out = [cached_regeneration(target, split, r["max_new_tokens"], r["max_turns"]) for split in (train, held)]
-    if out[0] is None:  # nothing regenerated yet: say so in every table
-        return train, held, "original (no regenerated responses yet)"
-    what = f"regenerated ({len(out[0])} of {len(train)} training conversations)"
-    return out[0], out[1] if out[1] is not None else held, what
-
-
-@dataclass
-class RowData:
-    """What the rows of one kind of responses train and are evaluated on."""
-
-    train: object  # TokenizedSplit
-    held: object
-    what: str  # which responses, for the tables
-    eval_set: object  # the held-out EvalSet every row is measured on
-
-
-def row_data(plan: Plan, target, row: Row) -> RowData:
-    """The data of ``row``'s responses, with one held-out set for every row (a hybrid drafter's config collates
-    every feature any row reads)."""
-    from ..drafters import drafter_config_for
-    from ..training import online_eval_set
-
-    train, held, what = data_splits(plan, target, row.responses)
-    base = row.train_config()
-    superset = drafter_config_for(target, "hybrid", draft_vocab_size=base.draft_vocab_size)
-    eval_set = online_eval_set(held, superset, target, base.eval_sequences, base.batch_size, base.max_tokens)
-    return RowData(train, held, what, eval_set)
-
-
-def draft_vocab(plan: Plan, target, size: int) -> torch.Tensor:
-    """One draft vocabulary for every row: the original training slice's ``size`` most frequent tokens."""
-    from ..training import build_draft_vocab
-
-    return build_draft_vocab(data_splits(plan, target, "original")[0], target, size)
-
-
 # -------------------------------------------------------------------------------------------------- train
 
 
 def drafter_dir(plan: Plan, root: Path = REPO_ROOT) -> Path:
-    """Where this machine's run keeps its trained rows: ``runs/<profile>/drafters/``."""
-    return Path(root) / "runs" / plan.profile / "drafters"
+    """Where this machine's run keeps its trained rows: ``runs/<run>/drafters/``."""
+    return Path(root) / "runs" / plan.run_name / "drafters"
 
 
-def checkpoint_path(plan: Plan, name: str, trained_in: Path | None = None) -> Path:
-    """A trained row's checkpoint: in ``trained_in`` (a runner's own folder), else ``runs/<profile>/drafters/``,
-    else the committed ``checkpoints/<profile>/``."""
-    places = (*([Path(trained_in) / name] if trained_in else []), drafter_dir(plan) / name)
-    places += (REPO_ROOT / "checkpoints" / plan.profile / name,)
+def checkpoint_path(plan: Plan, name: str, trained_in: Path | None = None, root: Path = REPO_ROOT) -> Path:
+    """A trained row's checkpoint: in ``trained_in`` (a runner's own folder), else ``runs/<run>/drafters/``,
+    else the committed ``checkpoints/<run>/``."""
+    places = (*([Path(trained_in) / name] if trained_in else []), drafter_dir(plan, root) / name)
+    places += (Path(root) / "checkpoints" / plan.run_name / name,)
     for path in places:
         if (path / "config.json").is_file():
             return path
     raise PlanError(
         f"no checkpoint of row {name!r} in {', '.join(map(str, places))}. Train it first, carry "
-        f"runs/{plan.profile}/drafters/{name} with the call (or evaluate other rows with --rows)."
+        f"runs/{plan.run_name}/drafters/{name} with the call (or evaluate other rows with --rows)."
     )
 
 
 def init_path(plan: Plan, row: Row, trained_in: Path | None = None) -> str | None:
-    """The checkpoint a row starts from (``init_from``), if any."""
+    """The checkpoint a row starts from (``init_from: <row>``), if any."""
     if row.init_row is None:
         return None
     try:
@@ -148,35 +109,71 @@ def train_row(
     out_dir: Path,
     init: str | None = None,
     progress=True,
+    resume: bool = True,
     **overrides,
 ):
-    """Train ``row`` into ``out_dir`` (``overrides``: TrainConfig parameters, e.g. ``train_steps``); returns the
-    training result and its summary row (``reference_rows.csv``)."""
-    from ..training import run_summary, train_drafter
+    """Train ``row`` into ``out_dir`` (``overrides``: TrainConfig parameters, e.g. ``train_steps``), resuming a
+    killed run of the same configuration, or reading a finished one back; returns the training result and its
+    summary row (``reference_rows.csv``: unique tokens and token-passes, wall time, machine, plateau)."""
+    from ..training import machine_of, run_summary, train_drafter
 
     t0, cuda = time.perf_counter(), target.info.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    cfg = row.train_config(init_from=init, **overrides)
+    cfg = row.train_config(**({"init_from": init} if init else {}), **overrides)
     result = train_drafter(
-        target,
-        data.train,
-        data.held,
-        cfg,
-        out_dir,
-        d2t=d2t,
-        resume=False,
-        progress=progress,
+        target, data.train, data.held, cfg, out_dir, d2t=d2t, resume=resume, progress=progress,
         eval_set=data.eval_set,
-    )
+    )  # fmt: skip
     summary = run_summary(result)
     summary.update(
+        unique_tokens=data.unique_tokens,
+        epochs=round(summary["train_tokens"] / max(1, data.unique_tokens), 2),
         max_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         responses=data.what,
         row_seconds=round(time.perf_counter() - t0, 1),
         headline=row.headline,
+        **machine_of(result),
     )
     return result, summary
+
+
+def kv_ablation(plan: Plan, row: Row, result, target, data: RowData) -> pd.DataFrame:
+    """The row's held-out accuracy with the target KV real, zeroed and shuffled (empty for a non-KV reader, or
+    online data: the ablation reads the held-out feature store)."""
+    from ..training import kv_ablation_table
+
+    c = result.config
+    if c.data_source != "store":
+        return pd.DataFrame()
+    return kv_ablation_table(
+        [result], data.held, target, c.eval_steps, c.eval_sequences, c.batch_size, c.max_tokens,
+        c.eval_branch_fraction,
+    )  # fmt: skip
+
+
+def train_rows(plan: Plan, target, names: list[str], root: Path, progress: bool, update, **overrides) -> None:
+    """Train ``names`` one after the other (module docstring), updating the run's tables after each and its
+    figures after the last (``update(tables, kind, done, draw)``)."""
+    out_dir, data, d2t = drafter_dir(plan, root), {}, None
+    limits = {"max_file_mb": 16, "max_total_mb": 60, **plan.checkpoints}
+    for i, name in enumerate(names):
+        row = plan.row(name)
+        key = (row.responses, row.params.get("data_source"))
+        data[key] = data.get(key) or row_data(plan, target, row, progress)
+        d2t = d2t if d2t is not None else draft_vocab(plan, target, row.train_config().draft_vocab_size)
+        steps = train_steps_for(plan, row, data[key])
+        own = dict({"train_steps": steps} if steps else {}, **overrides)
+        init = init_path(plan, row, out_dir)
+        result, summary = train_row(plan, row, target, data[key], d2t, out_dir / name, init, progress, **own)
+        summary["paper_row"] = row.paper
+        if row.headline:
+            rel = Path("checkpoints") / plan.run_name / name
+            summary.update(commit_checkpoint(result.drafter, Path(root) / rel, **limits))
+            summary["checkpoint"] = str(rel) if summary["checkpoint"] else ""
+        ablation = kv_ablation(plan, row, result, target, data[key])
+        update(trained_tables([result], [summary], ablation), "train", names[: i + 1], i == len(names) - 1)
+        del result
 
 
 # --------------------------------------------------------------------------------------------- regenerate
@@ -205,10 +202,12 @@ def evaluate(
     keep_going: Callable[[float], bool] = lambda seconds: True,
     on_progress: Callable[[list, list], None] | None = None,
     progress: bool = True,
+    cache: Path | None = None,
 ):
     """MT-bench acceptance of ``drafters`` (``{name: drafter}``): chain and tree at temperature 0 by greedy replay
     on greedy references decoded in batches, then a chain at temperature 1 with the engine. ``keep_going(seconds)`` is asked
-    before each measurement (a runner's clock); ``on_progress(runs, done)`` after each. Returns (runs, done)."""
+    before each measurement (a runner's clock); ``on_progress(runs, done)`` after each; ``cache``: the JSON file
+    that keeps the greedy references (notebook 04 reads the same ones). Returns (runs, done)."""
     from ..decoding import DecodeConfig
     from ..evaluation import acceptance
 
@@ -223,7 +222,7 @@ def evaluate(
     )
     cfgs = acceptance.mode_configs(base, ["chain", "tree"])
     refs = acceptance.greedy_references(
-        target, e["n_questions"], e["max_new_tokens"], progress, batch_size=80
+        target, e["n_questions"], e["max_new_tokens"], progress, cache=cache, batch_size=80
     )
     runs, done = [], []
     for mode in ("chain", "tree"):
@@ -247,7 +246,68 @@ def evaluate(
     return runs, done
 
 
+def evaluated_drafters(plan: Plan, target, rows: list[str] | None, root: Path) -> tuple[dict, list[str]]:
+    """The drafters the eval step measures (``rows``, else the plan's eval rows that were trained) and the plan's
+    eval rows left out because they have no checkpoint (rows dropped for time)."""
+    from ..drafters import NgramDrafter, load_drafter
+
+    found, missing = {}, []
+    for name in rows or plan.eval_rows():
+        try:
+            found[name] = checkpoint_path(plan, name, root=root)
+        except PlanError:
+            if rows:
+                raise
+            missing.append(name)
+    drafters = {name: load_drafter(path, target) for name, path in found.items()}
+    drafters["ngram"] = NgramDrafter(target.info.vocab_size)
+    return drafters, missing
+
+
 # ------------------------------------------------------------------------------------------------ the run
+
+
+def status(plan: Plan, root: Path = REPO_ROOT) -> pd.DataFrame:
+    """Where each row of a (running or stopped) run stands, from its folder alone: done, at step n of its cap
+    (the last saved state), or not started; with token-passes, the last held-out acc_0 and the hours so far."""
+    import json
+
+    from ..training.state import read_train_state
+
+    rows = []
+    for name in plan.training_order():
+        out = drafter_dir(plan, root) / name
+        rec = dict(
+            row=name, state="not started", step=None, cap=None, token_passes=None, acc_0=None, hours=None
+        )
+        meta = read_train_state(out)
+        cfg_file = out / "config.json"
+        extra = json.loads(cfg_file.read_text()).get("extra", {}) if cfg_file.is_file() else {}
+        if extra.get("completed"):
+            rec.update(state="done", step=extra["steps_trained"], cap=extra["train_config"]["train_steps"],
+                       token_passes=extra["train_tokens"], acc_0=extra["final_eval"].get("acc_0"),
+                       hours=extra["train_seconds"] / 3600)  # fmt: skip
+        elif meta is not None:
+            logs = meta["logs"]
+            rec.update(state="training", step=meta["step"], cap=meta["config"]["train_steps"],
+                       token_passes=sum(h["tokens"] for h in logs["history"]),
+                       acc_0=logs["eval"][-1]["acc_0"] if logs["eval"] else None,
+                       hours=logs.get("_seconds", 0.0) / 3600)  # fmt: skip
+        rows.append(rec)
+    return pd.DataFrame(rows)
+
+
+def run_notebooks(plan: Plan, root: Path) -> list[dict]:
+    """The profile's notebooks (its ``notebooks:`` list) on this run's folders, with the plan's notebook
+    parameters (``notebooks:`` of the reference section, with its smoke overrides)."""
+    from ..runner import load_profile, run_profile
+
+    if not load_profile(plan.profile).notebooks:
+        return []
+    sets = dict(plan.notebooks)
+    if plan.smoke:
+        sets.update(target=plan.target, device="cpu", dtype="float32")
+    return run_profile(plan.profile, sets=sets, root=Path(root), run_name=plan.run_name)
 
 
 def run_reference(
@@ -257,48 +317,37 @@ def run_reference(
     rows: list[str] | None = None,
     root: Path = REPO_ROOT,
     progress: bool = True,
+    figures: bool = True,
     **train_overrides,
 ) -> dict:
     """The run on this machine (module docstring): ``steps`` of :data:`STEPS`, ``rows`` (default: every row in
-    the order of the plan's jobs; evaluated: the eval job's). Writes ``root/runs/<profile>/``, ``root/figures/``."""
+    training order; evaluated: the plan's eval rows). Writes ``root/runs/<run>/``, ``root/figures/<run>/`` and
+    ``root/checkpoints/<run>/``; the tables after every row, the figures (``figures``) after each step."""
     if any(s not in STEPS for s in steps):
         raise PlanError(f"the run's steps are {list(STEPS)}, got {list(steps)}.")
-    order = [r for job in plan.jobs.values() if job.kind == "train" for r in job.rows]
-    names = [plan.row(r).name for r in rows] if rows else order + [r for r in plan.rows if r not in order]
+    device = resolve_device(device)
+    names = [plan.row(r).name for r in rows] if rows else plan.training_order()
     t0, env, record = time.perf_counter(), environment(device), dict(steps=list(steps))
-    target, out_dir = load_reference_target(plan, device), drafter_dir(plan, root)
+    target = load_reference_target(plan, device) if set(steps) - {"notebooks"} else None
 
-    def update(tables: dict, kind: str, done: list[str]) -> None:
+    def update(tables: dict, kind: str, done: list[str], draw: bool = True) -> None:
         info = dict(job=f"{kind}@{env['host']}", kind=kind, rows=" ".join(done), gpu=env["gpu"] or device,
-                    torch=env["torch"], transformers=env["transformers"], started=env["started"],
-                    seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
-        update_run(plan, {**tables, "reference_jobs.csv": pd.DataFrame([info])}, root)
+                    cpu=env.get("cpu"), torch=env["torch"], transformers=env["transformers"],
+                    started=env["started"], seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
+        update_run(plan, {**tables, "reference_jobs.csv": pd.DataFrame([info])}, root, draw=draw and figures)
 
     if "regenerate" in steps and plan.data.get("responses", "regenerated") == "regenerated":
         record["regenerated"] = {
             s: len(regenerate_split(plan, target, s, progress=progress)[0]) for s in ("eval", "train")
         }
     if "train" in steps:
-        data, d2t = {}, None
-        for i, name in enumerate(
-            names
-        ):  # the tables are rewritten after each row: a stopped run keeps what it had
-            row = plan.row(name)
-            data[row.responses] = data.get(row.responses) or row_data(plan, target, row)
-            d2t = d2t if d2t is not None else draft_vocab(plan, target, row.train_config().draft_vocab_size)
-            init = init_path(plan, row, out_dir)
-            result, summary = train_row(
-                plan, row, target, data[row.responses], d2t, out_dir / name, init, progress, **train_overrides
-            )
-            update(trained_tables([result], [summary]), "train", names[: i + 1])
-            del result
+        train_rows(plan, target, names, root, progress, update, **train_overrides)
         record["trained"] = names
     if "eval" in steps:
-        from ..drafters import NgramDrafter, load_drafter
-
-        chosen = rows or [r for job in plan.jobs.values() if job.kind == "eval" for r in job.rows]
-        drafters = {name: load_drafter(checkpoint_path(plan, name, out_dir), target) for name in chosen}
-        drafters["ngram"] = NgramDrafter(target.info.vocab_size)
-        runs, record["evaluated"] = evaluate(plan, target, drafters, progress=progress)
-        update(acceptance_tables(runs, plan.eval.get("bootstrap", 1000)), "eval", chosen)
+        drafters, record["not_evaluated"] = evaluated_drafters(plan, target, rows, root)
+        cache = Path(root) / "runs" / plan.run_name / "results" / "mtbench_greedy.json"
+        runs, record["evaluated"] = evaluate(plan, target, drafters, progress=progress, cache=cache)
+        update(acceptance_tables(runs, plan.eval.get("bootstrap", 1000)), "eval", list(drafters))
+    if "notebooks" in steps:
+        record["notebooks"] = [r["notebook"] for r in run_notebooks(plan, root)]
     return record

@@ -1,16 +1,23 @@
-"""The reference run's tables and figures, written straight into ``runs/<name>/results/`` and ``figures/<name>/``.
+"""The reference run's tables and figures, written straight into ``runs/<run>/results/`` and ``figures/<run>/``.
 
-The tables under ``figures/<name>/data/`` are the run's merged state: each update replaces the rows it brings
-(a rerun of a row wins, keyed by :data:`KEYS`) and keeps the rest, so rounds of training on different days, or
-on different machines, build one table. :func:`update_run` writes
+The tables under ``figures/<run>/data/`` are the run's merged state: each update replaces the rows it brings
+(a rerun of a row wins, keyed by :data:`KEYS`) and keeps the rest, so rows trained on different days, or on
+different machines, build one table. :func:`update_run` writes
 
-* ``per_step_accuracy.csv``, ``training_history.csv``, ``heldout_eval.csv`` (notebook 02's figures, from
-  :func:`trained_tables`) and ``acceptance_by_step.csv`` / ``acceptance_summary.csv`` (notebook 03's, from
-  :func:`acceptance_tables`), drawn through :func:`kvshot_lib.plots.publish` so that ``kvshot figures
-  --profile <name>`` redraws them;
-* the run's own ``reference_rows.csv`` (tokens seen, wall time, plateau, early stopping per row),
-  ``acceptance_bootstrap.csv`` (95% intervals), ``reference_jobs.csv`` (the machine, the software versions and
-  the time of every run) and ``reference_table.csv``: the paper's Table 5 layout (:func:`reference_table`).
+* what each trained row brings (:func:`trained_tables`): ``per_step_accuracy.csv``, ``training_history.csv``,
+  ``heldout_eval.csv``, ``curve_points.csv`` (the loop's learning-curve log), ``training_times.csv``,
+  ``kv_ablation.csv`` (real / zeroed / shuffled target KV) and the run's own ``reference_rows.csv`` (unique
+  tokens, token-passes, wall time, machine, plateau, stopping, committed checkpoint per row);
+* what the MT-bench evaluation brings (:func:`acceptance_tables`): ``acceptance_by_step.csv``,
+  ``acceptance_summary.csv`` and ``acceptance_bootstrap.csv`` (95% intervals of alpha_k, MAT, retention);
+* what is derived from the merged tables (:func:`derived_tables`): ``learning_curves.csv`` with
+  ``curve_asymptotes.csv`` (fitted asymptotes), ``gap_by_budget.csv`` / ``gap_trends.csv`` (the plan's
+  comparisons and the standard ones), ``gate_stats.csv`` (the hybrid's gate over training),
+  ``paper_table5.csv`` (the paper's Qwen3-8B numbers) and ``reference_table.csv``: the paper's Table 5 layout
+  with its numbers beside ours (:func:`reference_table`);
+
+and draws notebook 02's and 03's figures from them through :func:`kvshot_lib.plots.publish`, so that ``kvshot
+figures --profile <run>`` redraws them. Every caption gives the unique tokens, the token-passes and the precision.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ KEYS = {
     "per_step_accuracy.csv": ROWS,
     "training_history.csv": ROWS,
     "heldout_eval.csv": ROWS,
+    "curve_points.csv": ROWS,
+    "training_times.csv": ROWS,
+    "kv_ablation.csv": ROWS,
     "acceptance_by_step.csv": ACCEPTANCE,
     "acceptance_summary.csv": ACCEPTANCE,
     "acceptance_bootstrap.csv": ACCEPTANCE,
@@ -38,9 +48,31 @@ FIGURES = {
     "02_per_step_accuracy": ("per_step_accuracy.csv",),
     "02_training_curves": ("training_history.csv",),
     "02_heldout_over_training": ("heldout_eval.csv",),
+    "02_learning_curves": ("learning_curves.csv", "curve_asymptotes.csv"),
+    "02_kv_ablation": ("kv_ablation.csv",),
     "03_acceptance_by_step": ("acceptance_by_step.csv",),
     "03_mat_by_drafter": ("acceptance_summary.csv",),
 }
+# The KVShot paper's Table 5 (Qwen3-8B, ShareGPT ~70k samples x 3 epochs, SpecForge TTT): alpha_0..alpha_6, MAT,
+# retention. A row of the plan names the line it stands for with ``paper:``.
+PAPER_TABLE5 = {
+    "no target information (control)": (.237, .238, .237, .237, .237, .237, .236, 1.31, .996),
+    "KV 1L, head concatenation": (.489, .393, .353, .332, .320, .311, .305, 1.78, .624),
+    "KV 1L, linear projection": (.488, .425, .396, .379, .368, .360, .354, 1.83, .725),
+    "KV 1L, projection + RoPE": (.494, .427, .397, .381, .369, .360, .353, 1.84, .715),
+    "KV-only 2 layers": (.594, .540, .514, .497, .484, .473, .463, 2.23, .779),
+    "KV-only 3 layers": (.609, .558, .534, .518, .506, .496, .487, 2.31, .800),
+    "KV-only 4 layers": (.614, .565, .542, .527, .515, .505, .495, 2.34, .806),
+    "hybrid, random init": (.650, .582, .548, .527, .512, .501, .490, 2.44, .754),
+    "hybrid, from the EAGLE-3 checkpoint": (.665, .603, .573, .553, .537, .525, .514, 2.54, .773),
+    "EAGLE-3, 1 layer (hidden-only)": (.638, .566, .533, .511, .495, .481, .469, 2.37, .735),
+}  # fmt: skip
+STEPS = range(7)
+
+
+def paper_table() -> pd.DataFrame:
+    cols = [f"alpha_{k}" for k in STEPS] + ["mat", "retention"]
+    return pd.DataFrame([dict(paper_row=name, **dict(zip(cols, v))) for name, v in PAPER_TABLE5.items()])
 
 
 def replace_rows(old: pd.DataFrame, new: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
@@ -57,17 +89,24 @@ def replace_rows(old: pd.DataFrame, new: pd.DataFrame, keys: list[str]) -> pd.Da
     return pd.concat([old[~drop], new], ignore_index=True)
 
 
-def trained_tables(results, summaries: list[dict]) -> dict[str, pd.DataFrame]:
-    """Notebook 02's tables of trained rows (:func:`~kvshot_lib.training.per_step_table` and
-    :func:`~kvshot_lib.training.combined_table`, as notebook 02 writes them) and their ``reference_rows.csv``."""
-    from ..training import combined_table, per_step_table
+def trained_tables(results, summaries: list[dict], ablation: pd.DataFrame | None = None) -> dict:
+    """Notebook 02's tables of trained rows (as notebook 02 writes them), their ``reference_rows.csv`` and,
+    for KV readers, their KV ablation (:func:`~kvshot_lib.training.kv_ablation_table`)."""
+    from ..training import combined_table, per_step_table, training_times
 
-    return {
+    out = {
         "reference_rows.csv": pd.DataFrame(summaries),
         "per_step_accuracy.csv": per_step_table(results),
         "training_history.csv": combined_table(results, "history"),
         "heldout_eval.csv": combined_table(results, "eval"),
+        "curve_points.csv": combined_table(results, "curve"),
+        "training_times.csv": training_times(results).assign(
+            unique_tokens=[s.get("unique_tokens") for s in summaries]  # summaries are in the results' order
+        ),
     }
+    if ablation is not None:
+        out["kv_ablation.csv"] = ablation
+    return out
 
 
 def acceptance_tables(runs, n_boot: int) -> dict[str, pd.DataFrame]:
@@ -81,46 +120,83 @@ def acceptance_tables(runs, n_boot: int) -> dict[str, pd.DataFrame]:
     }
 
 
+def derived_tables(tables: dict, comparisons=()) -> dict[str, pd.DataFrame]:
+    """What the merged tables give: learning curves and their asymptotes, the gaps between rows by budget (the
+    standard pairs of :func:`~kvshot_lib.evaluation.comparison_pairs` and ``comparisons``, ``[(drafter, minus)]``),
+    the hybrid gate over training, the paper's Table 5 and ours (:func:`reference_table`)."""
+    from ..evaluation import asymptotes, comparison_pairs, curve_table, gap_by_budget, gap_trends
+
+    out = {"paper_table5.csv": paper_table()}
+    points = tables["curve_points.csv"]
+    if not points.empty:
+        curves = curve_table(points)
+        out["learning_curves.csv"], out["curve_asymptotes.csv"] = curves, asymptotes(curves)
+        names = set(curves["drafter"])
+        pairs = comparison_pairs(curves[["drafter", "paradigm", "regime", "target_kv"]])
+        pairs += [(f"{a} - {b}", a, b) for a, b in comparisons if a in names and b in names]
+        gaps = gap_by_budget(curves, pairs) if pairs else pd.DataFrame()
+        out["gap_by_budget.csv"] = gaps
+        out["gap_trends.csv"] = gap_trends(gaps) if not gaps.empty else pd.DataFrame()
+    evals = tables["heldout_eval.csv"]
+    gates = [c for c in evals.columns if c.startswith("gate_")]
+    if gates:
+        keep = evals.dropna(subset=gates, how="all")
+        out["gate_stats.csv"] = keep[["drafter", "step", *gates]].reset_index(drop=True)
+    out["reference_table.csv"] = reference_table(tables)
+    return out
+
+
+def _interval(boot: pd.DataFrame, drafter: str, mode: str, temperature: float) -> dict:
+    b = boot[(boot["drafter"] == drafter) & (boot["mode"] == mode) & (boot["temperature"] == temperature)]
+    return {m["metric"]: (m["value"], m["lo"], m["hi"]) for _, m in b.iterrows()}
+
+
 def reference_table(tables: dict) -> pd.DataFrame:
-    """The paper's Table 5 layout: held-out per-step accuracy (and MT-bench alpha_k, MAT, retention at T=0 with
-    95% bootstrap intervals where the evaluation ran), tokens seen, wall time and the plateau per row."""
+    """The paper's Table 5 layout, one line per trained row: MT-bench alpha_0..alpha_6, MAT and retention (chain,
+    T=0, with 95% bootstrap intervals, where the evaluation ran), the same from the held-out per-step accuracy, the
+    tree and T=1 MATs, what the row saw (unique tokens, token-passes, epochs, precision), how it ended, and the
+    paper's Qwen3-8B line it stands for (``paper_*``)."""
     rows = tables["reference_rows.csv"]
     if rows.empty:
         return pd.DataFrame()
+    boot, per_step = tables["acceptance_bootstrap.csv"], tables["per_step_accuracy.csv"]
     out = []
-    boot = tables["acceptance_bootstrap.csv"]
-    per_step = tables["per_step_accuracy.csv"]
     for _, r in rows.iterrows():
         mine = per_step[per_step["drafter"] == r["drafter"]] if not per_step.empty else per_step
-        acc = {
-            f"acc_{int(k)}": float(a) for k, a in zip(mine.get("draft_step", []), mine.get("accuracy", []))
-        }
-        rec = dict(
-            drafter=r["drafter"], paradigm=r["paradigm"], regime=r["regime"], n_layers=r.get("n_layers"),
-            kv_mode=r.get("kv_mode"), seed=r.get("seed"), responses=r.get("responses", ""),
-            train_tokens=r.get("train_tokens"), seconds=r.get("seconds"), steps=r.get("steps_trained"),
-            plateau_delta=r.get("plateau_delta"), plateaued=r.get("plateaued"), stopped_early=r.get("stopped_early"),
+        acc = {int(k): float(a) for k, a in zip(mine.get("draft_step", []), mine.get("accuracy", []))}
+        rec = dict(drafter=r["drafter"], paper_row=r.get("paper_row", ""))
+        chain = _interval(boot, r["drafter"], "chain", 0.0) if not boot.empty else {}
+        for k in STEPS:
+            rec[f"alpha_{k}"] = chain.get(f"alpha_{k}", (None,))[0]
+        for m in ("mat", "retention"):
+            value, lo, hi = chain.get(m, (None, None, None))
+            rec.update({m: value, f"{m}_lo": lo, f"{m}_hi": hi})
+        for mode, t in (("tree", 0.0), ("chain", 1.0)):
+            got = _interval(boot, r["drafter"], mode, t).get("mat") if not boot.empty else None
+            rec[f"mat_{mode}_t{t:g}"] = got[0] if got else None
+        rec.update({f"heldout_acc_{k}": acc.get(k) for k in STEPS})
+        rec["heldout_mat"] = heldout_acceptance({f"acc_{k}": v for k, v in acc.items()}) if acc else None
+        rec["heldout_retention"] = acc[6] / acc[0] if acc.get(6) is not None and acc.get(0) else None
+        rec.update(
+            unique_tokens=r.get("unique_tokens"), token_passes=r.get("train_tokens"), epochs=r.get("epochs"),
+            steps=r.get("steps_trained"), precision=r.get("precision"), device=r.get("device"),
+            seconds=r.get("seconds"), plateaued=r.get("plateaued"), plateau_delta=r.get("plateau_delta"),
+            stop_reason=r.get("stop_reason"), checkpoint=r.get("checkpoint"),
         )  # fmt: skip
-        rec.update({f"heldout_{k}": v for k, v in acc.items()})
-        rec["heldout_mat"] = heldout_acceptance(acc) if acc else None
-        rec["heldout_retention"] = (
-            acc["acc_6"] / acc["acc_0"] if "acc_6" in acc and acc.get("acc_0") else None
-        )
-        if not boot.empty:
-            b = boot[
-                (boot["drafter"] == r["drafter"]) & (boot["mode"] == "chain") & (boot["temperature"] == 0.0)
-            ]
-            for _, m in b.iterrows():
-                rec[f"mtbench_{m['metric']}"] = m["value"]
-                rec[f"mtbench_{m['metric']}_ci"] = f"[{m['lo']:.3f}, {m['hi']:.3f}]"
+        paper = PAPER_TABLE5.get(r.get("paper_row") or "")
+        for j, name in enumerate([f"alpha_{k}" for k in STEPS] + ["mat", "retention"]):
+            rec[f"paper_{name}"] = paper[j] if paper else None
         out.append(rec)
     return pd.DataFrame(out)
 
 
-def update_run(plan, new: dict[str, pd.DataFrame], root: Path = REPO_ROOT, name: str | None = None) -> dict:
+def update_run(
+    plan, new: dict[str, pd.DataFrame], root: Path = REPO_ROOT, name: str | None = None, draw: bool = True
+) -> dict:
     """Merge ``new`` tables (``{table: rows}``, tables of :data:`KEYS`) into the run ``name`` (default: the plan's
-    profile) under ``root``: rewrite its tables, Table 5 and its figures. Returns what it wrote and drew."""
-    name = name or plan.profile
+    run) under ``root``: rewrite its tables, the derived ones and (``draw``) its figures. Returns what it wrote
+    and drew."""
+    name = name or getattr(plan, "run_name", plan.profile)
     root = Path(root)
     data_dir, results = root / "figures" / name / "data", root / "runs" / name / "results"
     results.mkdir(parents=True, exist_ok=True)
@@ -128,22 +204,41 @@ def update_run(plan, new: dict[str, pd.DataFrame], root: Path = REPO_ROOT, name:
     tables = {t: _read(data_dir, t) for t in KEYS}
     for t, df in new.items():
         tables[t] = replace_rows(tables[t], df, KEYS[t])
-    tables["reference_table.csv"] = reference_table(tables)
+    tables.update(derived_tables(tables, getattr(plan, "comparisons", ())))
     written = []
     for t, df in tables.items():
         if df.empty:
             continue
         df.to_csv(results / t, index=False)
-        if not any(t in f for f in FIGURES.values()):  # figure tables reach data/ through publish
-            df.to_csv(data_dir / t, index=False)
+        df.to_csv(data_dir / t, index=False)  # the merged state: the next update starts from data/
         written.append(t)
-    figures = _publish(plan, tables, results, root / "figures" / name)
+    figures = _publish(plan, tables, results, root / "figures" / name) if draw else []
     return dict(tables=written, figures=figures)
 
 
 def _read(folder: Path, name: str) -> pd.DataFrame:
     path = Path(folder) / name
-    return pd.read_csv(path) if path.is_file() else pd.DataFrame()
+    try:
+        return pd.read_csv(path) if path.is_file() else pd.DataFrame()
+    except pd.errors.EmptyDataError:
+        return pd.DataFrame()
+
+
+def caption(plan, tables: dict) -> str:
+    """The caption line of every figure: target, data (unique tokens, token-passes per drafter), precision."""
+    rows, jobs = tables["reference_rows.csv"], tables["reference_jobs.csv"]
+    bits = [f"{plan.target} · reference run"]
+    if "unique_tokens" in rows and rows["unique_tokens"].notna().any():
+        bits.append(f"ShareGPT V3, {int(rows['unique_tokens'].max()):,} unique training tokens")
+    if "train_tokens" in rows and len(rows):
+        lo, hi = int(rows["train_tokens"].min()), int(rows["train_tokens"].max())
+        bits.append(f"{lo:,}{f'–{hi:,}' if hi != lo else ''} token-passes per drafter")
+    if "precision" in rows and rows["precision"].notna().any():
+        gpus = {str(g) for g in jobs.get("gpu", []) if isinstance(g, str) and g and g != "cpu"}
+        cpus = {str(c) for c in rows.get("cpu", []) if isinstance(c, str) and c}
+        where = sorted(gpus) or sorted(cpus) or ["CPU"]
+        bits.append(f"{'/'.join(sorted(set(rows['precision'].dropna())))} on {', '.join(where)}")
+    return " · ".join(bits)
 
 
 def _publish(plan, tables: dict, results: Path, figure_dir: Path) -> list[str]:
@@ -151,20 +246,10 @@ def _publish(plan, tables: dict, results: Path, figure_dir: Path) -> list[str]:
 
     from .. import plots
 
-    jobs = tables["reference_jobs.csv"]
-    gpus = sorted({str(g) for g in jobs.get("gpu", []) if isinstance(g, str) and g})
-    rows = tables["reference_rows.csv"]
-    tokens = rows["train_tokens"] if "train_tokens" in rows else pd.Series(dtype=float)
-    lo, hi = (int(tokens.min()), int(tokens.max())) if len(tokens) else (0, 0)
-    seen = f"{lo:,}{f'–{hi:,}' if hi != lo else ''} training tokens per drafter" if len(tokens) else ""
-    context = " · ".join(
-        x
-        for x in (f"{plan.target} · reference run ({', '.join(gpus) or 'no GPU'}), online training", seen)
-        if x
-    )
+    context = caption(plan, tables)
     drawn = []
     for fig, needs in FIGURES.items():
-        if all(not tables[t].empty for t in needs):
+        if all(t in tables and not tables[t].empty for t in needs):
             plt.close(plots.publish(fig, results, figure_dir, context))
             drawn.append(fig)
     return drawn

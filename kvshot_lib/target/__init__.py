@@ -25,6 +25,7 @@ from .loading import (
     cast_target,
     load_target,
     smollm2_tokenizer,
+    target_architecture,
 )
 from .precision import (
     DECODE_PRECISIONS,
@@ -67,4 +68,5 @@ __all__ = [
     "precision_label",
     "resolve_precision",
     "smollm2_tokenizer",
+    "target_architecture",
 ]

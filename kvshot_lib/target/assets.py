@@ -83,6 +83,12 @@ def mtbench_jsonl() -> Path:
     return asset_path(*MTBENCH_JSONL)
 
 
+def smollm2_converted_dir() -> Path | None:
+    """The converted SmolLM2 folder if the one-time conversion has run, else None (converts nothing)."""
+    out = cache_dir() / "models" / "smollm2-135m"
+    return out if (out / "model.safetensors").is_file() and (out / "kvshot_source.json").is_file() else None
+
+
 def smollm2_model_dir() -> Path:
     """A plain safetensors copy of SmolLM2-135M-Instruct, converted from the GGUF once and cached.
 
@@ -90,9 +96,10 @@ def smollm2_model_dir() -> Path:
     ``save_pretrained`` a model marked as gguf-quantized; copying its state dict into a fresh model
     built from the same config without ``quantization_config`` and saving that works.
     """
-    out = cache_dir() / "models" / "smollm2-135m"
-    if (out / "model.safetensors").is_file() and (out / "kvshot_source.json").is_file():
+    out = smollm2_converted_dir()
+    if out is not None:
         return out
+    out = cache_dir() / "models" / "smollm2-135m"
     gguf = smollm2_gguf()
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM

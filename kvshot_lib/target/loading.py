@@ -188,6 +188,37 @@ def _fingerprint(config) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def target_architecture(name: str) -> dict | None:
+    """``{fingerprint, vocab_size, n_layers}`` of target ``name`` read from its config alone, without loading
+    weights: for the presets once SmolLM2 is converted, and for a local folder. None when that is not possible
+    cheaply (a hub id, SmolLM2 before its one-time conversion, an unreadable folder). The command line checks
+    a drafter against ``--target`` with it before loading the target."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig, Qwen3Config
+
+    converted = assets.smollm2_converted_dir()
+    try:
+        if name in ("tiny-llama", "tiny-qwen3"):
+            if converted is None:
+                return None
+            vocab = len(
+                AutoTokenizer.from_pretrained(str(converted))
+            )  # the tiny targets use SmolLM2's tokenizer
+            config = (LlamaConfig if name == "tiny-llama" else Qwen3Config)(**TINY_CONFIG, vocab_size=vocab)
+        elif name == "smollm2-135m":
+            if converted is None:
+                return None
+            config = AutoConfig.from_pretrained(str(converted))
+        elif Path(name).expanduser().is_dir():
+            config = AutoConfig.from_pretrained(str(Path(name).expanduser()))
+        else:
+            return None
+    except (OSError, ValueError):
+        return None
+    return dict(
+        fingerprint=_fingerprint(config), vocab_size=config.vocab_size, n_layers=config.num_hidden_layers
+    )
+
+
 def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     ids = model.generation_config.eos_token_id if model.generation_config is not None else None
     ids = [ids] if isinstance(ids, int) else list(ids or [])

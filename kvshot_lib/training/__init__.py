@@ -14,8 +14,8 @@ evaluation and the plots.
 
 from .batches import BatchOrder, StoreBatches, batch_from_target, collate, target_sequence
 from .config import DATA_SOURCES, TrainConfig, TrainConfigError, parse_drafter_specs
-from .convergence import EarlyStopping, heldout_acceptance, plateau, run_summary
-from .curves import SCHEDULES, curve_steps, lr_factor
+from .convergence import EarlyStopping, heldout_acceptance, plateau, plateau_step, run_summary
+from .curves import SCHEDULES, curve_steps, lr_factor, run_end
 from .data import check_data, init_from_checkpoint
 from .grad_probes import (
     GROUPS,
@@ -99,8 +99,10 @@ __all__ = [
     "parse_drafter_specs",
     "per_step_table",
     "plateau",
+    "plateau_step",
     "read_logs",
     "regime_loss",
+    "run_end",
     "run_summary",
     "sample_anchors",
     "sample_branches",

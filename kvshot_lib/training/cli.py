@@ -46,7 +46,7 @@ def parse_sets(items: list[str]) -> dict:
     out = {}
     for item in items:
         if "=" not in item:
-            raise SystemExit(f"--set expects KEY=JSON, got {item!r}")
+            raise SystemExit(f"kvshot: --set expects KEY=JSON, got {item!r}.")
         key, raw = item.split("=", 1)
         try:
             out[key] = json.loads(raw)
@@ -55,18 +55,29 @@ def parse_sets(items: list[str]) -> dict:
     return out
 
 
+def read_config_file(path: str) -> dict:
+    """The training parameters of a ``--config`` JSON file (an object), or a one-line error."""
+    try:
+        params = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"kvshot: --config {path}: {e}") from None
+    if not isinstance(params, dict):
+        raise SystemExit(f"kvshot: --config {path} must hold a JSON object of training parameters.")
+    return params
+
+
 def run(args) -> int:
     from ..corpus import extract_features, tokenize_sharegpt
     from ..target import load_target
     from .config import TrainConfig
     from .loop import make_accelerator, train_drafter
 
-    params = json.loads(Path(args.config).read_text()) if args.config else {}
+    params = read_config_file(args.config) if args.config else {}
     params.update(parse_sets(args.set))
     params.update(paradigm=args.paradigm, regime=args.regime)
     params.setdefault("seed", args.seed)
     params.setdefault("name", Path(args.out).name)
-    cfg = TrainConfig.from_params(params)  # fail before any long work
+    cfg = TrainConfig.from_params(params)  # fail before any long work (kvshot: one line, see cli.py)
     acc = make_accelerator(cfg, "cpu" if args.device == "cpu" else "auto")
     device = str(acc.device) if args.device == "auto" else args.device
     target = load_target(args.target, device=device, dtype=args.dtype, load_in_4bit=args.load_in_4bit)

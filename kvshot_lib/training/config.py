@@ -63,12 +63,12 @@ class TrainConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
     schedule: str = "cosine"  # "cosine" | "wsd" (warmup-stable-decay, training/curves.py)
-    decay_fraction: float = (
-        0.1  # wsd: the final decay, and each curve point's decay branch, as a share of its budget
-    )
-    curve_points: int = (
-        0  # held-out points at log-spaced budgets T/2^j, each after a decay branch (wsd; 0 = off)
-    )
+    # wsd: the final decay, and each curve point's decay branch, as a share of its budget
+    decay_fraction: float = 0.1
+    # held-out points at log-spaced budgets T/2^j, each after a decay branch (wsd; 0 = off)
+    curve_points: int = 0
+    # wsd: end the stable phase once held-out acc_0 moved by less than this over the last quarter (0 = off)
+    plateau_stop: float = 0.0
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 0.5  # global-norm clipping (0 = off)
@@ -103,9 +103,8 @@ class TrainConfig:
     data_source: str = (
         "store"  # "store": a feature store; "online": the target runs in the loop on a tokenized split
     )
-    init_from: str | None = (
-        None  # a checkpoint folder whose parameters of the same name and shape start this drafter
-    )
+    init_from: str | None = None  # a checkpoint folder whose same-named parameters start this drafter, or
+    # "target": a KV-only drafter's attention from the target layers whose KV it reads (drafters/target_init.py)
     early_stop_patience: int = (
         0  # stop after this many held-out evaluations without a better acceptance (0 = off)
     )
@@ -173,6 +172,10 @@ class TrainConfig:
             bad("early stopping needs held-out evaluations: set eval_every > 0.")
         if self.max_seconds is not None and not self.max_seconds > 0:
             bad(f"max_seconds must be > 0 (or None), got {self.max_seconds}.")
+        if self.init_from == "target" and self.paradigm != "kv":
+            bad(
+                f"init_from='target' initializes a KV-only drafter's attention; got paradigm {self.paradigm!r}."
+            )
         if self.kv_recency < 0:
             bad(f"kv_recency must be >= 0 (0 = no recency bias), got {self.kv_recency}.")
         self._validate_block(bad)
@@ -206,6 +209,11 @@ class TrainConfig:
             bad(
                 f"curve_points={self.curve_points}: learning-curve points need schedule='wsd' (a cosine "
                 "schedule's intermediate points are not annealed) and a count >= 0."
+            )
+        if self.plateau_stop < 0 or (self.plateau_stop and (self.schedule != "wsd" or not self.eval_every)):
+            bad(
+                f"plateau_stop={self.plateau_stop}: training to a plateau needs schedule='wsd' (it ends the stable "
+                "phase where acc_0 stops moving) and held-out evaluations (eval_every > 0)."
             )
         if self.curve_points and not self.eval_sequences:
             bad("curve_points needs held-out evaluations (eval_sequences >= 1).")

@@ -53,6 +53,24 @@ class EarlyStopping:
         self.bad_evals += 1
         return bool(self.patience) and self.bad_evals >= self.patience
 
+    def state_dict(self) -> tuple[dict, dict]:
+        """What a resumed run needs to take the same decisions: (the counters and the best evaluation, JSON;
+        the best parameters, tensors). Saved with the training state (:mod:`.state`)."""
+        meta = dict(
+            best_value=self.best_value,
+            best_step=self.best_step,
+            best_eval=self.best_eval,
+            bad_evals=self.bad_evals,
+            has_best_state=self.best_state is not None,
+        )
+        return meta, dict(self.best_state or {})
+
+    def load_state_dict(self, meta: dict, best_state: dict) -> None:
+        """Restore what :meth:`state_dict` gave (patience, metric and min_delta come from the config)."""
+        self.best_value, self.best_step = float(meta["best_value"]), int(meta["best_step"])
+        self.best_eval, self.bad_evals = dict(meta["best_eval"]), int(meta["bad_evals"])
+        self.best_state = {k: v.cpu() for k, v in best_state.items()} if meta["has_best_state"] else None
+
     def restore(self, drafter) -> bool:
         """Load the best state into ``drafter`` (True if there was one to load)."""
         if self.best_state is None:
@@ -84,6 +102,17 @@ def plateau(evals: list[dict], fraction: float = 0.2, tol: float = 0.01, metric:
         plateau_from_step=early[-1]["step"],
         plateau_to_step=last["step"],
     )
+
+
+def plateau_step(evals: list[dict], tol: float, fraction: float = 0.25, min_evals: int = 4) -> int | None:
+    """The step of the first held-out evaluation at which acc_0 had moved by less than ``tol`` over the last
+    ``fraction`` of the steps (:func:`plateau`), among runs of at least ``min_evals`` evaluations; None if none
+    has. Training to a plateau ends its stable phase there (``training/curves.py``)."""
+    rows = sorted((r for r in evals if "acc_0" in r and not _restored(r)), key=lambda r: r["step"])
+    for i in range(min_evals - 1, len(rows)):
+        if plateau(rows[: i + 1], fraction, tol)["plateaued"]:
+            return int(rows[i]["step"])
+    return None
 
 
 def _restored(row: dict) -> bool:

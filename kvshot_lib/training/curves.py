@@ -10,6 +10,12 @@ next, with the learning rate decaying the same way, evaluates the held-out slice
 Each curve point is thus an annealed drafter trained for that budget, as a separate run would give,
 for about ``decay_fraction * (1/2 + 1/4 + ...)`` ≈ 10% more compute. The last point is the run's own end.
 
+**Training to a plateau** (``plateau_stop: 0.01``, the reference run's rule): ``train_steps`` is then a cap.
+At each held-out evaluation of the stable phase, if acc_0 moved by less than ``plateau_stop`` over the last
+quarter of the steps (:func:`~.convergence.plateau_step`), the stable phase ends there and the run ends after
+its WSD decay (:func:`run_end`). The decision is a function of the evaluation log, so a resumed run takes it
+at the same step without any state of its own.
+
 ``tests/test_learning_curves.py`` checks that the main run is the same with and without branches, and
 that a branch's point equals a separate run of ``b + d`` steps whose own final decay is those ``d`` steps.
 """
@@ -24,16 +30,29 @@ import torch
 SCHEDULES = ("cosine", "wsd")
 
 
-def lr_factor(cfg, step: int) -> float:
-    """The learning-rate multiplier of optimizer step ``step`` (0-based) under ``cfg.schedule``."""
+def lr_factor(cfg, step: int, decay_from: int | None = None) -> float:
+    """The learning-rate multiplier of optimizer step ``step`` (0-based) under ``cfg.schedule``. Under WSD,
+    ``decay_from`` (the plateau rule's decision, :func:`run_end`) starts the decay early."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "wsd":
-        decay = decay_length(cfg.train_steps, cfg.decay_fraction)
-        into = step - (cfg.train_steps - decay)
-        return 1.0 if into < 0 else linear_decay(cfg, into, decay)
+        if decay_from is None:  # the planned decay: the last decay_fraction of train_steps
+            length = decay_length(cfg.train_steps, cfg.decay_fraction)
+            start = cfg.train_steps - length
+        else:  # the plateau rule ended the stable phase after decay_from steps
+            start, length = decay_from, max(1, run_end(cfg, decay_from) - decay_from)
+        into = step - start
+        return 1.0 if into < 0 else linear_decay(cfg, min(into, length - 1), length)
     t = (step - cfg.warmup_steps) / max(1, cfg.train_steps - cfg.warmup_steps)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def run_end(cfg, decay_from: int | None = None) -> int:
+    """The step count a run ends at: ``train_steps``, or, once the plateau rule decided to stop the stable phase
+    after ``decay_from`` steps (``plateau_stop``), that many plus their WSD decay, at most ``train_steps``."""
+    if decay_from is None:
+        return cfg.train_steps
+    return min(cfg.train_steps, decay_from + decay_length(decay_from, cfg.decay_fraction))
 
 
 def linear_decay(cfg, i: int, length: int, start: float = 1.0) -> float:

@@ -14,9 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from ..drafters.checkpoint import WEIGHTS_FILE, read_config
+from ..drafters.checkpoint import read_config, read_weights
 from ..drafters.config import DrafterConfigError
 
 NOT_COPIED = ("d2t", "target_probe")  # buffers that describe the drafter's binding, not what it learned
@@ -67,11 +66,10 @@ def init_from_checkpoint(drafter, path: str | Path, target) -> dict:
         )
     own = drafter.state_dict()
     copied = []
-    with safe_open(str(path / WEIGHTS_FILE), "pt") as f, torch.no_grad():
-        for name in f.keys():
+    with torch.no_grad():
+        for name, value in read_weights(path).items():
             if name in NOT_COPIED or name not in own:
                 continue
-            value = f.get_tensor(name)
             if value.shape == own[name].shape:
                 own[name].copy_(value.to(own[name].dtype))
                 copied.append(name)

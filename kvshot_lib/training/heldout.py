@@ -194,14 +194,24 @@ def training_times(results) -> pd.DataFrame:
 
 def budget_note(results_dir) -> str:
     """The caption words that say a run's drafters are budget-limited: the training tokens each one saw
-    (from ``training_times.csv``, which notebook 02 writes), against the ~10^8 of published recipes."""
+    (from ``training_times.csv``, which notebook 02 writes), against the ~10^8 of published recipes. Where the
+    table has ``unique_tokens`` (the reference run's), the token-passes, the unique tokens and the precision."""
     path = Path(results_dir) / "training_times.csv"
     if not path.is_file():
         return "drafters: none trained in this run"
-    tokens = pd.read_csv(path)["train_tokens"]
+    times = pd.read_csv(path)
+    tokens = times["train_tokens"]
     lo, hi = tokens.min() / 1e6, tokens.max() / 1e6
     seen = f"{lo:.2f}M" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}M–{hi:.2f}M"
-    return f"budget-limited: each drafter trained on {seen} tokens (published recipes: ~100M+)"
+    if "unique_tokens" in times and times["unique_tokens"].notna().any():  # the reference run says both
+        unique = times["unique_tokens"].max() / 1e6
+        note = f"{seen} token-passes per drafter over {unique:.2f}M unique tokens (published recipes: ~100M+)"
+    else:
+        note = f"budget-limited: each drafter trained on {seen} tokens (published recipes: ~100M+)"
+    if "precision" in times:  # where it trained, so that an AMX number is never read as another CPU's
+        where = times[["precision", "cpu", "bf16_isa"]].drop_duplicates().astype(str)
+        note += "; trained in " + ", ".join(f"{p} on {c} ({i})" for p, c, i in where.itertuples(index=False))
+    return note
 
 
 def combined_table(results, name: str) -> pd.DataFrame:
@@ -212,6 +222,7 @@ def combined_table(results, name: str) -> pd.DataFrame:
             paradigm=r.config.paradigm,
             regime=r.config.regime,
             target_kv=r.config.target_kv,
+            **{k: v for k, v in machine_of(r).items() if k in ("precision", "cpu", "bf16_isa")},
         )
         for r in results
         if r.logs.get(name)

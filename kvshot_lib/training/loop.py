@@ -29,14 +29,14 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..drafters import build_drafter, drafter_config_for, load_drafter
+from ..drafters import build_drafter, drafter_config_for, init_attention_from_target, load_drafter
 from ..drafters.checkpoint import CONFIG_FILE, save_drafter
 from ..drafters.vocab import count_tokens, draft_vocab_from_counts
 from ..target.precision import autocast, machine_record, resolve_precision
 from .batches import StoreBatches
 from .config import TrainConfig
-from .convergence import EarlyStopping, plateau
-from .curves import Snapshot, curve_steps, decay_length, linear_decay, lr_factor
+from .convergence import EarlyStopping, plateau, plateau_step
+from .curves import Snapshot, curve_steps, decay_length, linear_decay, lr_factor, run_end
 from .data import check_data, describe_data, init_from_checkpoint
 from .grad_probes import GradProbe, grouped_parameters
 from .heldout import EvalSet, evaluate_per_step, gate_summary
@@ -164,7 +164,8 @@ def train_drafter(
     drafter = new_drafter(target, train_store, eval_store, cfg, d2t)
     acc = accelerator or make_accelerator(cfg, target.info.device)
     optimizer = build_optimizer(drafter, cfg)
-    start, logs, seconds = _resume_point(out, cfg, drafter, optimizer, resume)
+    stopper = EarlyStopping(cfg.early_stop_patience, cfg.early_stop_metric)
+    start, logs, seconds = _resume_point(out, cfg, drafter, optimizer, stopper, resume)
     for group in optimizer.param_groups:
         group.setdefault("base_lr", group["lr"])
     objective, optimizer = acc.prepare(Objective(drafter, cfg, precision), optimizer)
@@ -175,9 +176,10 @@ def train_drafter(
     evals = eval_set or build(
         eval_store, drafter.cfg, target, cfg.eval_sequences, cfg.batch_size, cfg.max_tokens
     )
-    stopper = EarlyStopping(cfg.early_stop_patience, cfg.early_stop_metric)
     stop_reason = ""
     budgets = curve_steps(cfg.train_steps, cfg.curve_points)
+    decay_from = plateau_step(logs["eval"], cfg.plateau_stop) if cfg.plateau_stop else None  # on resume too
+    end = run_end(cfg, decay_from)
 
     def evaluate(step: int) -> dict:
         drafter.eval()
@@ -194,10 +196,12 @@ def train_drafter(
     t_start = time.perf_counter() - seconds
     for step in range(start, cfg.train_steps):
         batch = loader.batch(step).to(acc.device)
-        row, acc0 = _train_step(drafter, objective, optimizer, acc, cfg, batch, step, logs, t_start)
+        factor = lr_factor(cfg, step, decay_from)
+        row, acc0 = _train_step(drafter, objective, optimizer, acc, cfg, batch, step, logs, t_start, factor)
         row["epoch"] = loader.epoch_of(step + 1)
         logs["history"].append(row)
-        if step + 1 in budgets and step + 1 < cfg.train_steps:  # a learning-curve point (training/curves.py)
+        stable = decay_from is None or step + 1 <= decay_from
+        if step + 1 in budgets and step + 1 < end and stable:  # a learning-curve point (training/curves.py)
             seen = sum(r["tokens"] for r in logs["history"])
             logs["curve"].append(
                 _decay_branch(drafter, objective, optimizer, acc, cfg, loader, step, evaluate, seen)
@@ -205,14 +209,17 @@ def train_drafter(
         bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc0:.2f}")
         bar.update()
         out_of_time = _out_of_time(cfg, t_start, acc)
-        last = step == cfg.train_steps - 1 or out_of_time
+        last = step == end - 1 or out_of_time
         if (cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last or step == 0)) or (budgets and last):
             ev = evaluate(step + 1)
             logs["eval"].append(ev)
-            if budgets and step + 1 == cfg.train_steps:  # the curve's last point is the run's own end
+            if budgets and step + 1 == end:  # the curve's last point is the run's own end
                 tokens = sum(r["tokens"] for r in logs["history"])
-                branch = decay_length(cfg.train_steps, cfg.decay_fraction)
+                branch = end - decay_from if decay_from else decay_length(cfg.train_steps, cfg.decay_fraction)
                 logs["curve"].append(dict(ev, budget_step=step + 1, branch_steps=branch, tokens=tokens))
+            if cfg.plateau_stop and decay_from is None and not last:
+                decay_from = plateau_step(logs["eval"], cfg.plateau_stop)
+                end = run_end(cfg, decay_from)
             if stopper.update(step + 1, ev, drafter) and not last:
                 last, stop_reason = (
                     True,
@@ -220,11 +227,14 @@ def train_drafter(
                 )
         if out_of_time and not stop_reason:
             stop_reason = f"max_seconds={cfg.max_seconds} reached"
+        if last and decay_from is not None and not stop_reason:
+            stop_reason = f"plateau: held-out acc_0 moved < {cfg.plateau_stop} over the last quarter by step {decay_from}"
         if last:
             break
         if acc.is_main_process and cfg.save_every and (step + 1) % cfg.save_every == 0:
             seconds = time.perf_counter() - t_start
-            save_train_state(out, drafter, optimizer, step + 1, cfg.as_dict(), {**logs, "_seconds": seconds})
+            state_logs = {**logs, "_seconds": seconds}
+            save_train_state(out, drafter, optimizer, step + 1, cfg.as_dict(), state_logs, stopper)
         acc.wait_for_everyone()
     bar.close()
     seconds = time.perf_counter() - t_start
@@ -282,17 +292,22 @@ def new_drafter(target, train_store, eval_store, cfg: TrainConfig, d2t: torch.Te
             raise ValueError(f"The {what} feature store does not fit drafter {cfg.name!r}: {e}") from None
     d2t = build_draft_vocab(train_store, target, dcfg.draft_vocab_size) if d2t is None else d2t
     drafter = build_drafter(dcfg, target, d2t.cpu(), seed=cfg.seed)
-    if cfg.init_from:
+    if cfg.init_from == "target":  # the KV drafter's attention from the target layers it reads
+        drafter.cfg.extra["init_from"] = init_attention_from_target(drafter, target)
+    elif cfg.init_from:
         drafter.cfg.extra["init_from"] = init_from_checkpoint(drafter, cfg.init_from, target)
     return drafter
 
 
-def _resume_point(out: Path, cfg: TrainConfig, drafter, optimizer, resume: bool) -> tuple[int, dict, float]:
-    """(first step, logs so far, seconds so far): from the saved state of the same config, or a fresh start."""
+def _resume_point(
+    out: Path, cfg: TrainConfig, drafter, optimizer, stopper: EarlyStopping, resume: bool
+) -> tuple[int, dict, float]:
+    """(first step, logs so far, seconds so far): from the saved state of the same config, or a fresh start.
+    The drafter, the optimizer and the early-stopping state are restored in place."""
     meta = read_train_state(out) if resume else None
     if meta is None or meta["config"] != cfg.as_dict():
         return 0, {name: [] for name in LOG_TABLES}, 0.0
-    meta = load_train_state(out, drafter, optimizer)  # restores the drafter and optimizer in place
+    meta = load_train_state(out, drafter, optimizer, stopper)
     logs = meta["logs"]
     return meta["step"], logs, logs.pop("_seconds", 0.0)
 
@@ -307,13 +322,14 @@ def _train_step(
     step: int,
     logs: dict,
     t_start: float,
-    factor: float | None = None,
+    factor: float,
+    branch: bool = False,
 ):
-    """One optimizer step (with the gradient probe on probing steps); returns its history row and acc_0.
-    ``factor`` overrides the schedule's learning-rate multiplier (a decay branch, which never probes)."""
+    """One optimizer step at learning-rate multiplier ``factor`` (with the gradient probe on probing steps; a
+    decay ``branch`` never probes); returns its history row and acc_0."""
     base = dict(drafter=cfg.name, paradigm=cfg.paradigm, regime=cfg.regime)
     last = step == cfg.train_steps - 1
-    probing = factor is None and cfg.probe_every > 0 and (step % cfg.probe_every == 0 or last)
+    probing = not branch and cfg.probe_every > 0 and (step % cfg.probe_every == 0 or last)
     branches = sample_branches(batch.ids.shape[1] - 1, cfg.branch_fraction, seed=cfg.seed * 1_000_003 + step)
     if cfg.regime == "parallel":  # the block drafter: random anchors per sequence (training/losses.py)
         branches = sample_anchors(
@@ -331,14 +347,13 @@ def _train_step(
     if probe is not None:
         _log_probe(logs, probe, step, base)
     for group in optimizer.param_groups:  # the "50x" remedy: scale one group's gradient
-        factor = cfg.grad_scale.get(group["name"], 1.0)
-        if factor != 1.0:
+        scale = cfg.grad_scale.get(group["name"], 1.0)
+        if scale != 1.0:
             for p in group["params"]:
                 if p.grad is not None:
-                    p.grad.mul_(factor)
+                    p.grad.mul_(scale)
     clip = cfg.grad_clip
     grad_norm = acc.clip_grad_norm_(drafter.parameters(), clip) if clip else torch.tensor(0.0)
-    factor = lr_factor(cfg, step) if factor is None else factor
     for group in optimizer.param_groups:  # the schedule is a function of the step (exact on resume)
         group["lr"] = group["base_lr"] * factor
     optimizer.step()
@@ -367,7 +382,9 @@ def _decay_branch(drafter, objective, optimizer, acc, cfg, loader, step: int, ev
     for i in range(length):
         batch = loader.batch(step + 1 + i).to(acc.device)
         factor = linear_decay(cfg, i, length, start)
-        row, _ = _train_step(drafter, objective, optimizer, acc, cfg, batch, step + 1 + i, {}, 0.0, factor)
+        row, _ = _train_step(
+            drafter, objective, optimizer, acc, cfg, batch, step + 1 + i, {}, 0.0, factor, True
+        )
         seen += row["tokens"]
     ev = evaluate(step + 1 + length)
     snap.restore(drafter, optimizer)

@@ -1,11 +1,13 @@
 """Resumable training state: the drafter, the optimizer and the trainer's position, without pickle.
 
 ``<out_dir>/state/`` holds ``model.safetensors`` (the drafter's state dict), ``optimizer.safetensors`` (every
-tensor of the optimizer's state, keyed ``<param index>.<name>``) and ``trainer.json`` (the step reached, the
-optimizer's hyper-parameters and non-tensor state, the training config and the logs so far). The folder is
-written under a temporary name and swapped in, so an interruption leaves the previous state intact. The
-data position is a function of the step (see :mod:`kvshot_lib.training.batches`) and the learning rate schedule
-too, so a resumed run continues exactly where the interrupted one was.
+tensor of the optimizer's state, keyed ``<param index>.<name>``), ``early_stopping.safetensors`` (the best
+parameters early stopping kept, if any) and ``trainer.json`` (the step reached, the optimizer's
+hyper-parameters and non-tensor state, the early-stopping counters, the training config and the logs so
+far). The folder is written under a temporary name and swapped in, so an interruption leaves the previous
+state intact. The data position is a function of the step (see :mod:`kvshot_lib.training.batches`) and the
+learning rate schedule too, so a resumed run continues exactly where the interrupted one was: same weights,
+history and stopping step (``tests/test_resume.py`` kills runs at several points and checks all three).
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from safetensors.torch import load_file, save_file
 STATE_DIR = "state"
 
 
-def save_train_state(out_dir: Path, drafter, optimizer, step: int, config: dict, logs: dict) -> Path:
+def save_train_state(
+    out_dir: Path, drafter, optimizer, step: int, config: dict, logs: dict, early_stopping=None
+) -> Path:
+    """Write the resumable state of a run that has finished ``step`` steps (``early_stopping``: the
+    :class:`~.convergence.EarlyStopping` of the run, whose best parameters and counters are kept too)."""
     out_dir = Path(out_dir)
     final, tmp = out_dir / STATE_DIR, out_dir / (STATE_DIR + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -41,6 +47,9 @@ def save_train_state(out_dir: Path, drafter, optimizer, step: int, config: dict,
     meta = dict(
         step=step, config=config, param_groups=sd["param_groups"], optimizer_scalars=scalars, logs=logs
     )
+    if early_stopping is not None:
+        meta["early_stopping"], best = early_stopping.state_dict()
+        save_file(best, str(tmp / "early_stopping.safetensors"))
     (tmp / "trainer.json").write_text(json.dumps(meta))
     old = out_dir / (STATE_DIR + ".old")
     shutil.rmtree(old, ignore_errors=True)
@@ -57,8 +66,9 @@ def read_train_state(out_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def load_train_state(out_dir: Path, drafter, optimizer) -> dict:
-    """Restore the drafter and optimizer in place (strict); returns the trainer metadata."""
+def load_train_state(out_dir: Path, drafter, optimizer, early_stopping=None) -> dict:
+    """Restore the drafter, the optimizer and ``early_stopping`` in place (strict); returns the trainer
+    metadata."""
     state_dir = Path(out_dir) / STATE_DIR
     meta = json.loads((state_dir / "trainer.json").read_text())
     device = drafter.head.device
@@ -74,4 +84,12 @@ def load_train_state(out_dir: Path, drafter, optimizer) -> dict:
         idx, name = key.split(".", 1)
         state.setdefault(int(idx), {})[name] = value
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    if early_stopping is not None:
+        if "early_stopping" not in meta:
+            raise ValueError(
+                f"the training state in {state_dir} has no early-stopping state (written by an older "
+                "version); resume with resume=False (kvshot train --no-resume) to start over."
+            )
+        best = load_file(str(state_dir / "early_stopping.safetensors"))
+        early_stopping.load_state_dict(meta["early_stopping"], best)
     return meta

@@ -293,7 +293,7 @@ def cmd_dry_run(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", default="reference")
+    ap.add_argument("--profile", default="reference-gpu")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def common(p):

@@ -1,0 +1,56 @@
+"""The reference run's committed checkpoints: ``checkpoints/<run>/<row>/``, small enough to live in git.
+
+Each is ``config.json`` plus the drafter's trainable weights in bf16 (``d2t`` and the target probe keep their
+dtypes; the frozen embedding and LM head are the target's and never saved), so it loads on a CPU from a fresh
+clone, with no training, and refuses a target other than its own (:func:`~kvshot_lib.drafters.load_drafter`).
+A file holds at most ``max_file_mb`` (a drafter over it is split into numbered files); a row whose copy would
+take the run's checkpoints over ``max_total_mb`` is not copied, and its record says so. Rows are copied in the
+plan's order, so when the budget runs out it is the last rows that give way.
+``tests/test_reference_checkpoints.py`` checks the size, the dtypes, the loading, the refusal and lossless decoding.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+MB = 10**6
+HEADER_MARGIN = 64 * 1024  # a safetensors file's JSON header, beside its tensors
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def commit_checkpoint(drafter, folder: Path, max_file_mb: float = 16, max_total_mb: float = 60) -> dict:
+    """Write ``drafter`` as a committed checkpoint at ``folder`` (``checkpoints/<run>/<row>``) within the limits.
+
+    Returns ``{"checkpoint", "checkpoint_mb", "checkpoint_files"}``, or ``{"checkpoint": "", "checkpoint_skipped":
+    why}`` when the run's checkpoints would exceed ``max_total_mb`` with it (the folder is then left as it was)."""
+    from ..drafters import save_drafter
+
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter(drafter, tmp, dtype=torch.bfloat16, max_file_bytes=int(max_file_mb * MB) - HEADER_MARGIN)
+    size = folder_bytes(tmp)
+    big = [f.name for f in tmp.iterdir() if f.stat().st_size > max_file_mb * MB]
+    others = sum(folder_bytes(p) for p in folder.parent.iterdir() if p.is_dir() and p.name != folder.name
+                 and not p.name.endswith(".tmp"))  # fmt: skip
+    why = ""
+    if big:
+        why = f"files {big} exceed {max_file_mb} MB (a single tensor larger than the limit)"
+    elif others + size > max_total_mb * MB:
+        why = (
+            f"{size / MB:.1f} MB more would take the run's checkpoints to {(others + size) / MB:.1f} MB, over "
+            f"{max_total_mb} MB"
+        )
+    if why:
+        shutil.rmtree(tmp)
+        return dict(checkpoint="", checkpoint_skipped=why)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    files = sorted(f.name for f in folder.iterdir() if f.suffix == ".safetensors")
+    return dict(checkpoint=str(folder), checkpoint_mb=round(size / MB, 2), checkpoint_files=len(files))

@@ -1,0 +1,89 @@
+"""The reference run's data: the ShareGPT slices, their feature stores, one held-out set and one budget for all rows.
+
+* :func:`data_splits`: the training and held-out slices (split by conversation, 512–1,024-token sequences on the
+  CPU plan), with the original responses or, where the regeneration has reached, the target's own;
+* :func:`row_data`: what a row trains on. A ``data_source: store`` row (the CPU plan) gets the slices' feature
+  stores, extracted once in bf16 where the machine has it (resumable, :func:`~kvshot_lib.corpus.extract_features`)
+  and reused by every row; an ``online`` row (the GPU plan) gets the tokenized slices. Either way one held-out
+  set, collated for every feature any row reads, measures every row;
+* :func:`train_steps_for`: the optimizer steps of the plan's token-pass cap (``budget.token_passes``) on these
+  sequences, so the cap is in tokens as the issue states it, whatever the sequence lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..corpus import cached_regeneration, extract_features, tokenize_sharegpt
+from .plan import Plan, PlanError, Row
+
+
+def data_splits(plan: Plan, target, responses: str):
+    """(training, held-out) TokenizedSplits and what they are: regenerated where the regeneration has reached."""
+    d = plan.data
+    kw = dict(seed=plan.seed, min_len=int(d.get("min_len", 0)))
+    train = tokenize_sharegpt(target.tokenizer, "train", d["n_train_conversations"], d["max_len"], **kw)
+    held = tokenize_sharegpt(target.tokenizer, "eval", d["n_eval_conversations"], d["max_len"], **kw)
+    if responses == "original":
+        return train, held, "original"
+    r = plan.data["regenerate"]
+    out = [cached_regeneration(target, split, r["max_new_tokens"], r["max_turns"]) for split in (train, held)]
+    if out[0] is None:  # nothing regenerated yet: say so in every table
+        return train, held, "original (no regenerated responses yet)"
+    what = f"regenerated ({len(out[0])} of {len(train)} training conversations)"
+    return out[0], out[1] if out[1] is not None else held, what
+
+
+@dataclass
+class RowData:
+    """What the rows of one kind of responses train and are evaluated on."""
+
+    train: object  # FeatureStore (data_source "store") or TokenizedSplit ("online")
+    held: object
+    what: str  # which responses, for the tables
+    eval_set: object  # the held-out EvalSet every row is measured on
+    unique_tokens: int  # tokens of the training slice (token-passes are counted by the loop)
+    mean_length: float  # tokens per training sequence, as the loop sees them (after max_tokens)
+
+
+def row_data(plan: Plan, target, row: Row, progress: bool = True) -> RowData:
+    """The data of ``row``'s responses and data source (module docstring)."""
+    from ..drafters import drafter_config_for
+    from ..training import EvalSet, online_eval_set
+
+    train, held, what = data_splits(plan, target, row.responses)
+    base = row.train_config()
+    crop = base.max_tokens or math.inf
+    mean_length = sum(min(len(x), crop) for x in train.ids) / len(train)
+    unique = train.n_tokens
+    floor = int(plan.data.get("min_train_tokens", 0))
+    if unique < floor:
+        raise PlanError(
+            f"the training slice holds {unique:,} tokens, fewer than the plan's min_train_tokens {floor:,}: "
+            "raise data.n_train_conversations."
+        )
+    superset = drafter_config_for(target, "hybrid", draft_vocab_size=base.draft_vocab_size)
+    args = (superset, target, base.eval_sequences, base.batch_size, base.max_tokens)
+    if base.data_source == "store":  # extracted once, resumable; every store row reuses it
+        train = extract_features(target, train, precision=base.mixed_precision)
+        held = extract_features(target, held, precision=base.mixed_precision)
+        eval_set = EvalSet.build(held, *args)
+    else:
+        eval_set = online_eval_set(held, *args)
+    return RowData(train, held, what, eval_set, unique, mean_length)
+
+
+def train_steps_for(plan: Plan, row: Row, data: RowData) -> int | None:
+    """The optimizer steps of the plan's token-pass cap for ``row`` on ``data`` (None: the row's own steps)."""
+    cap = plan.budget.get("token_passes")
+    if not cap:
+        return None
+    return max(1, math.ceil(cap / (row.train_config().batch_size * data.mean_length)))
+
+
+def draft_vocab(plan: Plan, target, size: int):
+    """One draft vocabulary for every row: the original training slice's ``size`` most frequent tokens."""
+    from ..training import build_draft_vocab
+
+    return build_draft_vocab(data_splits(plan, target, "original")[0], target, size)
