@@ -175,14 +175,11 @@ SPECS = [
     FigureSpec(
         "02_learning_curves",
         "02_train_drafters",
-        # the gaps between paradigms by budget and their trends (the notebook's verdict) stay beside the curves
-        ("learning_curves.csv", "curve_asymptotes.csv", "gap_by_budget.csv", "gap_trends.csv"),
+        ("learning_curves.csv", "curve_asymptotes.csv"),
         lambda t: training.plot_learning_curves(t["learning_curves.csv"], t["curve_asymptotes.csv"]),
         {
             "learning_curves.csv": ["drafter", "paradigm", "regime", "tokens", "metric", "value", "lo", "hi"],
             "curve_asymptotes.csv": ["drafter", "metric", "a", "a_lo", "a_hi"],
-            "gap_by_budget.csv": ["comparison", "drafter", "minus", "metric", "tokens", "gap", "lo", "hi"],
-            "gap_trends.csv": ["comparison", "drafter", "minus", "metric", "slope", "slope_lo", "slope_hi", "trend"],
         },
         lambda t: (
             f"{t['learning_curves.csv']['tokens'].nunique()} budgets per drafter, each after a WSD decay branch "
