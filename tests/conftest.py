@@ -50,6 +50,47 @@ def spread_target(name: str, seed: int = 1, std: float = 0.2):
     return target
 
 
+def trained_like(target, paradigm: str):
+    """A drafter of ``paradigm`` whose weights moved away from their initialization (as training moves them)."""
+    from kvshot_lib.drafters import build_drafter, drafter_config_for
+
+    cfg = drafter_config_for(target, paradigm, draft_vocab_size=512, name=f"{paradigm}-ttt", regime="ttt")
+    d = build_drafter(cfg, target, torch.arange(512) * 7, seed=0)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return d
+
+
+def assert_reference_checkpoint(drafter, files, folder, target) -> None:
+    """A reference checkpoint (``files`` in ``folder``): the trainable weights in bf16 (no frozen embedding or LM
+    head), d2t as int64, the target probe in float32; it loads on the CPU with ``target``, equal to the drafter's
+    weights rounded to bf16, and refuses another architecture and the same architecture with other weights."""
+    from safetensors import safe_open
+
+    from kvshot_lib.drafters import DrafterTargetMismatch, load_drafter
+
+    dtypes = {}
+    for f in files:
+        with safe_open(str(f), "pt") as sf:
+            dtypes.update({k: sf.get_tensor(k).dtype for k in sf.keys()})
+    trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
+    assert set(dtypes) == trainable | {"d2t", "target_probe"}  # no frozen embedding, no LM head
+    assert all(dtypes[n] == torch.bfloat16 for n in trainable)
+    assert dtypes["d2t"] == torch.int64 and dtypes["target_probe"] == torch.float32
+    back = load_drafter(folder, target)
+    assert back.head.device.type == "cpu"
+    for n, p in drafter.state_dict().items():
+        if n in trainable:
+            assert torch.equal(back.state_dict()[n], p.to(torch.bfloat16).float()), n
+    with pytest.raises(DrafterTargetMismatch, match="trained for target"):
+        load_drafter(folder, load_target("tiny-qwen3", device="cpu"))  # another architecture
+    with pytest.raises(DrafterTargetMismatch, match="different embedding weights"):
+        load_drafter(
+            folder, load_target("tiny-llama", device="cpu", seed=1)
+        )  # same architecture, other weights
+
+
 def random_prompts(n: int, seed: int, vocab: int = 49152) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(3, 40, (n,), generator=g).tolist()

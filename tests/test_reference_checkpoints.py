@@ -7,26 +7,15 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from safetensors import safe_open
+from conftest import assert_reference_checkpoint, trained_like
 
 from kvshot_lib.decoding import DecodeConfig, generate
-from kvshot_lib.drafters import DrafterTargetMismatch, build_drafter, drafter_config_for, load_drafter
+from kvshot_lib.drafters import load_drafter
 from kvshot_lib.reference import commit_checkpoint, folder_bytes
-from kvshot_lib.target import REPO_ROOT, load_target
+from kvshot_lib.target import REPO_ROOT
 
 MB = 10**6  # the limits are in decimal megabytes
 LIMIT_MB = 0.1  # tiny-llama drafters are ~0.1-0.2 MB in bf16: the hybrid's weights need two files
-
-
-def trained_like(target, paradigm: str):
-    """A drafter of ``paradigm`` whose weights moved away from their initialization (as training moves them)."""
-    cfg = drafter_config_for(target, paradigm, draft_vocab_size=512, name=f"{paradigm}-ttt", regime="ttt")
-    d = build_drafter(cfg, target, torch.arange(512) * 7, seed=0)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return d
 
 
 def test_a_committed_checkpoint_is_small_bf16_and_loads_on_the_cpu(tiny_llama, tmp_path):
@@ -40,24 +29,7 @@ def test_a_committed_checkpoint_is_small_bf16_and_loads_on_the_cpu(tiny_llama, t
         f"model-0000{i}-of-0000{len(files)}.safetensors" for i in range(1, len(files) + 1)
     ]
     assert rec["checkpoint_mb"] == pytest.approx(folder_bytes(folder) / MB, abs=0.01)
-    dtypes = {}
-    for f in files:
-        with safe_open(str(f), "pt") as sf:
-            dtypes.update({k: sf.get_tensor(k).dtype for k in sf.keys()})
-    trainable = {n for n, p in d.named_parameters() if p.requires_grad}
-    assert set(dtypes) == trainable | {"d2t", "target_probe"}  # no frozen embedding, no LM head
-    assert all(dtypes[n] == torch.bfloat16 for n in trainable) and dtypes["d2t"] == torch.int64
-    back = load_drafter(folder, tiny_llama)
-    assert back.head.device.type == "cpu"
-    for n, p in d.state_dict().items():
-        if n in trainable:
-            assert torch.equal(back.state_dict()[n], p.to(torch.bfloat16).float()), n
-    with pytest.raises(DrafterTargetMismatch, match="trained for target"):
-        load_drafter(folder, load_target("tiny-qwen3", device="cpu"))  # another architecture
-    with pytest.raises(DrafterTargetMismatch, match="different embedding weights"):
-        load_drafter(
-            folder, load_target("tiny-llama", device="cpu", seed=1)
-        )  # same architecture, other weights
+    assert_reference_checkpoint(d, files, folder, tiny_llama)
     files[-1].unlink()  # an incomplete copy says so
     with pytest.raises(FileNotFoundError, match="not a complete set"):
         load_drafter(folder, tiny_llama)

@@ -15,11 +15,12 @@ import tarfile
 import pandas as pd
 import pytest
 import torch
+from conftest import assert_reference_checkpoint, trained_like
 
-from kvshot_lib.drafters import DrafterTargetMismatch, build_drafter, drafter_config_for, load_drafter
+from kvshot_lib.drafters import load_drafter
 from kvshot_lib.evaluation import AcceptanceRun, acceptance_summary, bootstrap_acceptance
 from kvshot_lib.reference import PlanError, load_plan
-from kvshot_lib.target import REPO_ROOT, load_target
+from kvshot_lib.target import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "scripts" / "reference"))
 from transport import merge, outputs  # noqa: E402
@@ -27,39 +28,11 @@ from transport import merge, outputs  # noqa: E402
 RUN_JOB = REPO_ROOT / "scripts" / "reference" / "run_job.py"
 
 
-def trained_like(target, paradigm="hidden"):
-    cfg = drafter_config_for(target, paradigm, draft_vocab_size=512, name=f"{paradigm}-ttt", regime="ttt")
-    d = build_drafter(cfg, target, torch.arange(512) * 5, seed=0)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return d
-
-
 def test_reference_checkpoint_is_bf16_trainable_only_and_loads_on_cpu(tiny_llama, tmp_path):
     d = trained_like(tiny_llama, "hybrid")
     (path,) = outputs.export_checkpoint(d, tmp_path, "hybrid-ttt")
     folder = outputs.import_checkpoint([path], tmp_path / "ckpt")
-    from safetensors import safe_open
-
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        names = set(f.keys())
-        dtypes = {k: f.get_tensor(k).dtype for k in names}
-    trainable = {n for n, p in d.named_parameters() if p.requires_grad}
-    assert names == trainable | {"d2t", "target_probe"}  # no frozen embedding, no LM head
-    assert all(dtypes[n] == torch.bfloat16 for n in trainable)
-    assert dtypes["d2t"] == torch.int64 and dtypes["target_probe"] == torch.float32
-    back = load_drafter(folder, tiny_llama)
-    assert back.head.device.type == "cpu"
-    for n, p in d.state_dict().items():
-        if n in trainable:
-            assert torch.equal(back.state_dict()[n], p.to(torch.bfloat16).float()), n
-    with pytest.raises(DrafterTargetMismatch, match="trained for target"):
-        load_drafter(folder, load_target("tiny-qwen3", device="cpu"))  # another architecture
-    with pytest.raises(DrafterTargetMismatch, match="different embedding weights"):
-        load_drafter(
-            folder, load_target("tiny-llama", device="cpu", seed=1)
-        )  # same architecture, other weights
+    assert_reference_checkpoint(d, [folder / "model.safetensors"], folder, tiny_llama)
 
 
 def test_a_checkpoint_over_the_file_limit_is_split_and_reassembled(tiny_llama, tmp_path, monkeypatch):
