@@ -24,6 +24,7 @@ import statistics
 import pandas as pd
 import torch
 
+from ..target import cpu_model
 from . import metrics
 
 
@@ -31,18 +32,10 @@ def machine_info() -> dict:
     """Where the numbers were taken: host, CPU/GPU, threads, library versions."""
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return dict(
         host=platform.node(),
-        cpu=cpu,
+        cpu=cpu_model(),
         cores=os.cpu_count(),
         torch_threads=torch.get_num_threads(),
         gpu=gpu,
