@@ -1,0 +1,57 @@
+"""The reference drafters committed in ``checkpoints/reference/``, as a fresh clone has them: within the size
+limits, bf16 trainable weights only, loading on the CPU with SmolLM2, refusing another target, and decoding
+losslessly (chain and tree equal to plain greedy decoding) with no training and nothing under ``runs/``."""
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from kvshot_lib.corpus.chat import chat_prompt_ids
+from kvshot_lib.decoding import DecodeConfig, generate
+from kvshot_lib.drafters import DrafterTargetMismatch, load_drafter
+from kvshot_lib.target import REPO_ROOT, load_target
+
+FOLDER = REPO_ROOT / "checkpoints" / "reference"
+ROWS = sorted(p.name for p in FOLDER.iterdir() if (p / "config.json").is_file()) if FOLDER.is_dir() else []
+MB = 10**6
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_target("smollm2-135m", device="cpu", dtype="float32")
+
+
+def test_the_committed_checkpoints_fit_the_budget():
+    files = list(FOLDER.rglob("*")) if FOLDER.is_dir() else []
+    assert all(f.stat().st_size <= 16 * MB for f in files if f.is_file())
+    assert sum(f.stat().st_size for f in files if f.is_file()) <= 60 * MB
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_a_committed_drafter_is_bf16_loads_and_refuses_another_target(smollm2, row):
+    folder = FOLDER / row
+    drafter = load_drafter(folder, smollm2)
+    trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
+    dtypes = {}
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as sf:
+            dtypes.update({k: sf.get_tensor(k).dtype for k in sf.keys()})
+    assert set(dtypes) - {"d2t", "target_probe"} == trainable  # no frozen embedding or LM head
+    assert all(dtypes[n] == torch.bfloat16 for n in trainable)
+    assert drafter.head.device.type == "cpu"
+    with pytest.raises(DrafterTargetMismatch, match="trained for target"):
+        load_drafter(folder, load_target("tiny-llama", device="cpu"))
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_a_committed_drafter_decodes_losslessly(smollm2, row):
+    drafter = load_drafter(FOLDER / row, smollm2)
+    prompt = chat_prompt_ids(smollm2.tokenizer, [{"role": "user", "content": "Why is the sky blue?"}])
+    plain = generate(smollm2, prompt, DecodeConfig(mode="ar", max_new_tokens=40))
+    for mode in ("chain", "tree"):
+        cfg = DecodeConfig(
+            mode=mode, max_new_tokens=40, chain_depth=6, tree_depth=5, tree_top_k=4, tree_budget=16
+        )
+        out = generate(smollm2, prompt, cfg, drafter)
+        assert out.token_ids == plain.token_ids, mode
+        assert sum(out.accepted_per_cycle) > 0, mode  # a trained drafter: some drafts are accepted
