@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kvshot_lib.corpus.chat import chat_prompt_ids
+from kvshot_lib.corpus import chat_prompt_ids
 from kvshot_lib.decoding import DecodeConfig, generate
 from kvshot_lib.drafters import DrafterTargetMismatch, load_drafter
 from kvshot_lib.target import REPO_ROOT, load_target

@@ -141,6 +141,25 @@ def test_plateau_compares_the_last_fifth():
     assert plateau(evals(0.3))["plateaued"] is None  # one evaluation cannot tell
 
 
+def test_a_run_trained_to_a_plateau_is_judged_on_its_stable_phase():
+    """The annealed final evaluation jumps by the decay; the plateau a row reports is the rule's, before it."""
+    from types import SimpleNamespace
+
+    from kvshot_lib.training import stable_plateau
+
+    cfg = SimpleNamespace(plateau_stop=0.01, train_steps=100, decay_fraction=0.1)
+    ruled = evals(0.15, 0.19, 0.205, 0.21, 0.24)[:4] + [dict(step=44, acc_0=0.24)]  # rule at 40, decay to 44
+    got = stable_plateau(cfg, ruled)
+    assert got["decay_from"] == 40 and got["plateaued"] is True
+    assert (got["plateau_from_step"], got["plateau_to_step"]) == (30, 40)
+    assert got["plateau_delta"] == pytest.approx(0.005)
+    assert plateau(ruled)["plateaued"] is False  # over every evaluation, the decay's jump would count
+    capped = evals(*[0.1 + 0.02 * i for i in range(10)])  # steps 10..100, still climbing at the cap
+    got = stable_plateau(cfg, capped)
+    assert got["decay_from"] is None and got["plateau_to_step"] == 90  # the planned decay starts at 90
+    assert got["plateau_from_step"] == 60 and got["plateau_delta"] == pytest.approx(0.06)
+
+
 def test_early_stopping_restores_the_best_drafter(peaky, splits, tmp_path):
     """The checkpoint is the best drafter: loaded back from disk and evaluated again on the held-out set, it
     has the best evaluation's accuracies (the loop's last eval row is a copy of the best one, so checking

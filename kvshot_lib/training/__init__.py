@@ -14,7 +14,7 @@ evaluation and the plots.
 
 from .batches import BatchOrder, StoreBatches, batch_from_target, collate, target_sequence
 from .config import DATA_SOURCES, TrainConfig, TrainConfigError, parse_drafter_specs
-from .convergence import EarlyStopping, heldout_acceptance, plateau, plateau_step, run_summary
+from .convergence import EarlyStopping, heldout_acceptance, plateau, plateau_step, run_summary, stable_plateau
 from .curves import SCHEDULES, curve_steps, lr_factor, run_end
 from .data import check_data, init_from_checkpoint
 from .grad_probes import (
@@ -100,6 +100,7 @@ __all__ = [
     "per_step_table",
     "plateau",
     "plateau_step",
+    "stable_plateau",
     "read_logs",
     "regime_loss",
     "run_end",

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .curves import decay_length
+
 
 def heldout_acceptance(ev: dict, metric: str = "mat") -> float:
     """``acc_0``, or ``1 + sum_k prod_{j<=k} acc_j`` over the evaluated steps (``metric="mat"``)."""
@@ -147,5 +149,19 @@ def run_summary(result) -> dict:
         heldout_mat=heldout_acceptance(final) if final else None,
     )
     row.update({k: final[k] for k in sorted(final) if k.startswith("acc_") or k == "ceiling"})
-    row.update(plateau(evals))
+    row.update(stable_plateau(cfg, evals) if cfg.plateau_stop else plateau(evals))
     return row
+
+
+def stable_plateau(cfg, evals: list[dict]) -> dict:
+    """The plateau rule's own judgement of a run trained to a plateau (``plateau_stop``): over the evaluations of
+    its stable phase, up to the step where the rule ended it (``decay_from``) or, at the cap, where the planned
+    decay began. The annealed final evaluation is left out: its jump is the decay's, not training's."""
+    decay_from = plateau_step(evals, cfg.plateau_stop)
+    end = (
+        decay_from
+        if decay_from is not None
+        else cfg.train_steps - decay_length(cfg.train_steps, cfg.decay_fraction)
+    )
+    stable = [r for r in evals if r.get("step") is not None and r["step"] <= end]
+    return dict(plateau(stable, 0.25, cfg.plateau_stop), decay_from=decay_from)
