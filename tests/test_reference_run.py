@@ -121,6 +121,13 @@ def test_a_smoke_run_trains_every_row_and_writes_table_5(tmp_path):
         assert table.loc[name, "mat_lo"] <= table.loc[name, "mat"] <= table.loc[name, "mat_hi"]
         assert table.loc[name, "token_passes"] == rows.loc[name, "train_tokens"]
         assert table.loc[name, "unique_tokens"] == store.n_tokens
+        stopped = table.loc[name, "stop_reason"]  # the plateau rule (and then the row plateaued), or the cap
+        if stopped.startswith("plateau"):
+            assert table.loc[name, "plateaued"]
+        else:
+            assert (
+                stopped == "the token-pass cap" and table.loc[name, "steps"] == rows.loc[name, "train_steps"]
+            )
     assert table.loc["hidden-ttt", "paper_mat"] == 2.37 and table.loc["none-ttt", "paper_alpha_0"] == 0.237
     assert math.isnan(table.loc["block-kv", "paper_mat"])  # the paper has no block row
     figures = tmp_path / "figures" / "reference-smoke"

@@ -177,11 +177,13 @@ def reference_table(tables: dict) -> pd.DataFrame:
         rec.update({f"heldout_acc_{k}": acc.get(k) for k in STEPS})
         rec["heldout_mat"] = heldout_acceptance({f"acc_{k}": v for k, v in acc.items()}) if acc else None
         rec["heldout_retention"] = acc[6] / acc[0] if acc.get(6) is not None and acc.get(0) else None
+        stop = r.get("stop_reason")  # empty: the row trained to its cap without the plateau rule stopping it
         rec.update(
             unique_tokens=r.get("unique_tokens"), token_passes=r.get("train_tokens"), epochs=r.get("epochs"),
             steps=r.get("steps_trained"), precision=r.get("precision"), device=r.get("device"),
             seconds=r.get("seconds"), plateaued=r.get("plateaued"), plateau_delta=r.get("plateau_delta"),
-            stop_reason=r.get("stop_reason"), checkpoint=r.get("checkpoint"),
+            stop_reason=stop if isinstance(stop, str) and stop else "the token-pass cap",
+            checkpoint=r.get("checkpoint"),
         )  # fmt: skip
         paper = PAPER_TABLE5.get(r.get("paper_row") or "")
         for j, name in enumerate([f"alpha_{k}" for k in STEPS] + ["mat", "retention"]):
