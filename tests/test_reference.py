@@ -148,7 +148,7 @@ def test_a_run_trained_to_a_plateau_is_judged_on_its_stable_phase():
     from kvshot_lib.training import stable_plateau
 
     cfg = SimpleNamespace(plateau_stop=0.01, train_steps=100, decay_fraction=0.1)
-    ruled = evals(0.15, 0.19, 0.205, 0.21, 0.24)[:4] + [dict(step=44, acc_0=0.24)]  # rule at 40, decay to 44
+    ruled = evals(0.15, 0.19, 0.205, 0.21) + [dict(step=44, acc_0=0.24)]  # rule at 40, decay to 44
     got = stable_plateau(cfg, ruled)
     assert got["decay_from"] == 40 and got["plateaued"] is True
     assert (got["plateau_from_step"], got["plateau_to_step"]) == (30, 40)

@@ -404,9 +404,8 @@ def plot_learning_curves(curves: pd.DataFrame, fits: pd.DataFrame | None = None)
                         alpha=kw.get("alpha", 1.0), transform=ax.get_yaxis_transform(), clip_on=False,
                     )  # fmt: skip
         ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(
-            NullFormatter()
-        )  # under two decades matplotlib labels minor ticks: they collide
+        # under two decades matplotlib labels the minor ticks too, and they collide
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(CURVE_TITLES[metric])
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("held-out value after a WSD decay")
