@@ -62,13 +62,10 @@ def trained_like(target, paradigm: str):
     return d
 
 
-def assert_reference_checkpoint(drafter, files, folder, target) -> None:
-    """A reference checkpoint (``files`` in ``folder``): the trainable weights in bf16 (no frozen embedding or LM
-    head), d2t as int64, the target probe in float32; it loads on the CPU with ``target``, equal to the drafter's
-    weights rounded to bf16, and refuses another architecture and the same architecture with other weights."""
+def assert_bf16_trainable_weights(drafter, files) -> None:
+    """The checkpoint ``files`` hold ``drafter``'s trainable weights in bf16 and nothing frozen (no embedding, no
+    LM head), beside d2t as int64 and the target probe in float32."""
     from safetensors import safe_open
-
-    from kvshot_lib.drafters import DrafterTargetMismatch, load_drafter
 
     dtypes = {}
     for f in files:
@@ -78,6 +75,16 @@ def assert_reference_checkpoint(drafter, files, folder, target) -> None:
     assert set(dtypes) == trainable | {"d2t", "target_probe"}  # no frozen embedding, no LM head
     assert all(dtypes[n] == torch.bfloat16 for n in trainable)
     assert dtypes["d2t"] == torch.int64 and dtypes["target_probe"] == torch.float32
+
+
+def assert_reference_checkpoint(drafter, files, folder, target) -> None:
+    """A reference checkpoint (``files`` in ``folder``): the trainable weights in bf16 (no frozen embedding or LM
+    head), d2t as int64, the target probe in float32; it loads on the CPU with ``target``, equal to the drafter's
+    weights rounded to bf16, and refuses another architecture and the same architecture with other weights."""
+    from kvshot_lib.drafters import DrafterTargetMismatch, load_drafter
+
+    assert_bf16_trainable_weights(drafter, files)
+    trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
     back = load_drafter(folder, target)
     assert back.head.device.type == "cpu"
     for n, p in drafter.state_dict().items():

@@ -3,12 +3,12 @@ limits, bf16 trainable weights only, loading on the CPU with SmolLM2, refusing a
 losslessly (chain and tree equal to plain greedy decoding) with no training and nothing under ``runs/``."""
 
 import pytest
-import torch
-from safetensors import safe_open
+from conftest import assert_bf16_trainable_weights
 
 from kvshot_lib.corpus import chat_prompt_ids
 from kvshot_lib.decoding import DecodeConfig, generate
 from kvshot_lib.drafters import DrafterTargetMismatch, load_drafter
+from kvshot_lib.reference import load_plan
 from kvshot_lib.target import REPO_ROOT, load_target
 
 FOLDER = REPO_ROOT / "checkpoints" / "reference"
@@ -22,22 +22,17 @@ def smollm2():
 
 
 def test_the_committed_checkpoints_fit_the_budget():
-    files = list(FOLDER.rglob("*")) if FOLDER.is_dir() else []
-    assert all(f.stat().st_size <= 16 * MB for f in files if f.is_file())
-    assert sum(f.stat().st_size for f in files if f.is_file()) <= 60 * MB
+    limits = load_plan("reference").checkpoints  # max_file_mb: 16, max_total_mb: 60
+    files = [f for f in FOLDER.rglob("*") if f.is_file()] if FOLDER.is_dir() else []
+    assert all(f.stat().st_size <= limits["max_file_mb"] * MB for f in files)
+    assert sum(f.stat().st_size for f in files) <= limits["max_total_mb"] * MB
 
 
 @pytest.mark.parametrize("row", ROWS)
 def test_a_committed_drafter_is_bf16_loads_and_refuses_another_target(smollm2, row):
     folder = FOLDER / row
     drafter = load_drafter(folder, smollm2)
-    trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
-    dtypes = {}
-    for f in folder.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as sf:
-            dtypes.update({k: sf.get_tensor(k).dtype for k in sf.keys()})
-    assert set(dtypes) - {"d2t", "target_probe"} == trainable  # no frozen embedding or LM head
-    assert all(dtypes[n] == torch.bfloat16 for n in trainable)
+    assert_bf16_trainable_weights(drafter, sorted(folder.glob("*.safetensors")))
     assert drafter.head.device.type == "cpu"
     with pytest.raises(DrafterTargetMismatch, match="trained for target"):
         load_drafter(folder, load_target("tiny-llama", device="cpu"))

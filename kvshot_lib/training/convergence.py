@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .curves import decay_length
+from .curves import decay_start
 
 
 def heldout_acceptance(ev: dict, metric: str = "mat") -> float:
@@ -158,10 +158,6 @@ def stable_plateau(cfg, evals: list[dict]) -> dict:
     its stable phase, up to the step where the rule ended it (``decay_from``) or, at the cap, where the planned
     decay began. The annealed final evaluation is left out: its jump is the decay's, not training's."""
     decay_from = plateau_step(evals, cfg.plateau_stop)
-    end = (
-        decay_from
-        if decay_from is not None
-        else cfg.train_steps - decay_length(cfg.train_steps, cfg.decay_fraction)
-    )
+    end = decay_start(cfg, decay_from)
     stable = [r for r in evals if r.get("step") is not None and r["step"] <= end]
     return dict(plateau(stable, 0.25, cfg.plateau_stop), decay_from=decay_from)

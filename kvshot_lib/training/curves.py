@@ -36,15 +36,20 @@ def lr_factor(cfg, step: int, decay_from: int | None = None) -> float:
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "wsd":
-        if decay_from is None:  # the planned decay: the last decay_fraction of train_steps
-            length = decay_length(cfg.train_steps, cfg.decay_fraction)
-            start = cfg.train_steps - length
-        else:  # the plateau rule ended the stable phase after decay_from steps
-            start, length = decay_from, max(1, run_end(cfg, decay_from) - decay_from)
+        start = decay_start(cfg, decay_from)
+        length = max(1, run_end(cfg, decay_from) - start)
         into = step - start
         return 1.0 if into < 0 else linear_decay(cfg, min(into, length - 1), length)
     t = (step - cfg.warmup_steps) / max(1, cfg.train_steps - cfg.warmup_steps)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def decay_start(cfg, decay_from: int | None = None) -> int:
+    """The step a WSD run's decay starts at, the end of its stable phase: ``decay_from`` where the plateau rule
+    ended it there, else the planned start, the last ``decay_fraction`` of ``train_steps``."""
+    if decay_from is not None:
+        return decay_from
+    return cfg.train_steps - decay_length(cfg.train_steps, cfg.decay_fraction)
 
 
 def run_end(cfg, decay_from: int | None = None) -> int:

@@ -36,7 +36,7 @@ from ..target.precision import autocast, machine_record, resolve_precision
 from .batches import StoreBatches
 from .config import TrainConfig
 from .convergence import EarlyStopping, plateau, plateau_step
-from .curves import Snapshot, curve_steps, decay_length, linear_decay, lr_factor, run_end
+from .curves import Snapshot, curve_steps, decay_length, decay_start, linear_decay, lr_factor, run_end
 from .data import check_data, describe_data, init_from_checkpoint
 from .grad_probes import GradProbe, grouped_parameters
 from .heldout import EvalSet, evaluate_per_step, gate_summary
@@ -215,7 +215,7 @@ def train_drafter(
             logs["eval"].append(ev)
             if budgets and step + 1 == end:  # the curve's last point is the run's own end
                 tokens = sum(r["tokens"] for r in logs["history"])
-                branch = end - decay_from if decay_from else decay_length(cfg.train_steps, cfg.decay_fraction)
+                branch = end - decay_start(cfg, decay_from)
                 logs["curve"].append(dict(ev, budget_step=step + 1, branch_steps=branch, tokens=tokens))
             if cfg.plateau_stop and decay_from is None and not last:
                 decay_from = plateau_step(logs["eval"], cfg.plateau_stop)
