@@ -99,6 +99,11 @@ def test_fit_recovers_a_known_asymptote_within_its_interval():
     assert fit["a_lo"] <= a <= fit["a_hi"], fit
     assert abs(fit["a"] - a) < 0.04, fit
     assert fit["a_lo"] > acc[-1] - 0.02  # the lower end says what the curve has nearly reached
+    assert fit["identified"]
+    # a curve still straight on a log axis (no bend in the data) fits any far-off asymptote: not identified
+    straight = np.clip(0.1 + 0.03 * np.log(tokens / tokens[0]), 0, 1)
+    loglinear = fit_saturating(tokens, rng.binomial(n, straight) / n, n, n_boot=300, seed=0)
+    assert not loglinear["identified"], loglinear
     # a flat curve's asymptote is its level
     flat = fit_saturating(tokens, np.full(tokens.shape, 0.3), n, n_boot=100, seed=0)
     assert flat["a"] == pytest.approx(0.3, abs=0.02)
@@ -144,3 +149,17 @@ def test_training_to_a_plateau_ends_the_stable_phase_there_and_resumes_exactly(
     monkeypatch.setattr(StoreBatches, "batch", real)
     resumed = train_drafter(tiny_llama, *stores, c, killed, progress=False)
     assert [r["loss"] for r in resumed.logs["history"]] == [r["loss"] for r in run.logs["history"]]
+
+
+def test_learning_curve_caption_counts_budgets_per_drafter_not_across_drafters():
+    import pandas as pd
+
+    from kvshot_lib.plots import FIGURES
+
+    # a short row (plateaued early: 2 budgets) beside a long one (3 budgets at other token counts): 5 distinct
+    # token counts in all, but no drafter has more than 3
+    rows = [("none-ttt", n) for n in (100, 200)] + [("hidden-ttt", n) for n in (150, 300, 600)]
+    t = {"learning_curves.csv": pd.DataFrame(rows, columns=["drafter", "tokens"])}
+    assert FIGURES["02_learning_curves"].counts(t).startswith("2–3 budgets per drafter")
+    t["learning_curves.csv"] = t["learning_curves.csv"][t["learning_curves.csv"]["drafter"] == "hidden-ttt"]
+    assert FIGURES["02_learning_curves"].counts(t).startswith("3 budgets per drafter")

@@ -78,6 +78,9 @@ def _wilson(p: float, n: float) -> tuple[float, float]:
     return float(centre - half), float(centre + half)
 
 
+MIN_BEND = 0.25  # the share of its remaining gap a fitted curve must close within the data to identify a
+
+
 def _saturating(x, a, b, c):
     return a - b * x ** (-c)
 
@@ -100,7 +103,11 @@ def fit_saturating(
     ``se`` gives each point's standard error, ``upper`` caps ``a`` (1 for an accuracy). Returns a, b, c, the
     asymptote's 95% interval (a parametric bootstrap: each point redrawn from its error, refitted) and how
     many refits converged. With points far from saturation the exponent is weakly identified, so the upper
-    end of the interval is loose: read the lower end (what the curve has already nearly reached)."""
+    end of the interval is loose: read the lower end (what the curve has already nearly reached).
+
+    ``identified`` says whether the points pin ``a`` down at all: the fitted curve rises, bends within the data
+    (its ``N^-c`` term shrinks by at least ``MIN_BEND`` from the first budget to the last) and its interval stays
+    below ``upper``. A curve that is still straight on a log axis fits any far-off asymptote equally well."""
     x = np.asarray(tokens, float)
     v = np.asarray(values, float)
     keep = np.isfinite(v)
@@ -109,7 +116,9 @@ def fit_saturating(
         m = np.maximum(np.asarray(n, float)[keep], 1)
         se = np.sqrt(np.clip(v * (1 - v), 1e-4, None) / m)
     se = np.maximum(np.asarray(se, float)[keep] if np.ndim(se) else np.full(len(v), float(se)), 1e-4)
-    out = dict(a=np.nan, b=np.nan, c=np.nan, a_lo=np.nan, a_hi=np.nan, n_points=len(v), boot_ok=0)
+    out = dict(
+        a=np.nan, b=np.nan, c=np.nan, a_lo=np.nan, a_hi=np.nan, n_points=len(v), boot_ok=0, identified=False
+    )
     if len(v) < 4:
         return out
     scale = float(np.median(x))
@@ -128,6 +137,8 @@ def fit_saturating(
     out.update(a=a, b=b * scale ** (-c), c=c, boot_ok=len(boots))
     if boots:
         out.update(a_lo=float(np.quantile(boots, 0.025)), a_hi=float(np.quantile(boots, 0.975)))
+        bend = 1 - (x.max() / x.min()) ** (-c)
+        out["identified"] = bool(b > 0 and bend >= MIN_BEND and out["a_hi"] < upper - 1e-6)
     return out
 
 

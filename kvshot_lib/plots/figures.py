@@ -179,10 +179,10 @@ SPECS = [
         lambda t: training.plot_learning_curves(t["learning_curves.csv"], t["curve_asymptotes.csv"]),
         {
             "learning_curves.csv": ["drafter", "paradigm", "regime", "tokens", "metric", "value", "lo", "hi"],
-            "curve_asymptotes.csv": ["drafter", "metric", "a", "a_lo", "a_hi"],
+            "curve_asymptotes.csv": ["drafter", "metric", "a", "a_lo", "a_hi", "identified"],
         },
         lambda t: (
-            f"{t['learning_curves.csv']['tokens'].nunique()} budgets per drafter, each after a WSD decay branch "
+            f"{_n_range(t['learning_curves.csv'].groupby('drafter')['tokens'].nunique())} budgets per drafter, each after a WSD decay branch "
             "(warmup-stable-decay; the last point is the run's own decay); bars: 95% intervals (Wilson; MAT: "
             "parametric bootstrap)"
         ),

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import seaborn as sns
 from matplotlib.ticker import MaxNLocator
 
 COLUMN, PAGE = 3.4, 7.0  # figure widths in inches: one column, the full page
+CAPTION_PT = 6.5
 
 _PALETTE = sns.color_palette("colorblind", 10)
 PARADIGM_COLORS = {
@@ -101,7 +103,10 @@ def finish_figure(fig, title: str | None = None, legend_from=None, integer_steps
 
 def add_caption(fig, text: str) -> None:
     """A small caption line under the axes: the target, the data and what each point averages."""
-    fig.text(0.01, -0.01, text, ha="left", va="top", fontsize=6.5, color="0.25", wrap=True)
+    # wrapped here, to the figure's width: matplotlib's own wrap=True measures against the bbox of the
+    # "tight" save, which an outside legend widens, and the last line then runs off the image
+    chars = int(fig.get_figwidth() * 72 / (0.5 * CAPTION_PT))  # a 6.5 pt character is about half as wide
+    fig.text(0.01, -0.01, textwrap.fill(text, chars), ha="left", va="top", fontsize=CAPTION_PT, color="0.25")
 
 
 def save_figure(fig, figure_dir: str | Path, name: str) -> list[Path]:

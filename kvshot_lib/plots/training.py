@@ -377,7 +377,7 @@ CURVE_TITLES = {"acc_0": "acc$_0$", "acc_3": "acc$_3$", "acc_6": "acc$_6$", "mat
 def plot_learning_curves(curves: pd.DataFrame, fits: pd.DataFrame | None = None):
     """Held-out acc_0, acc_3, acc_6 and the formula MAT against training tokens (log x), one panel each, with
     95% intervals, for every drafter and its control; the fitted asymptote ``a`` of ``a - b N^-c`` as a short
-    tick at the right edge of each panel."""
+    tick at the right edge of each panel, where the points identify one (``fits["identified"]``)."""
     metrics = [m for m in CURVE_TITLES if m in set(curves["metric"])]
     fig, axes = plt.subplots(1, len(metrics), figsize=(PAGE, 2.7), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
@@ -398,7 +398,7 @@ def plot_learning_curves(curves: pd.DataFrame, fits: pd.DataFrame | None = None)
             )
             if fits is not None and len(fits):
                 f = fits[(fits["drafter"] == name) & (fits["metric"] == metric)]
-                if len(f) and np.isfinite(f["a"].iloc[0]):
+                if len(f) and f["identified"].iloc[0]:
                     ax.plot(
                         [1.0], [f["a"].iloc[0]], marker="_", ms=9, mew=1.5, color=kw["color"],
                         alpha=kw.get("alpha", 1.0), transform=ax.get_yaxis_transform(), clip_on=False,
@@ -411,7 +411,7 @@ def plot_learning_curves(curves: pd.DataFrame, fits: pd.DataFrame | None = None)
     axes[0][0].set_ylabel("held-out value after a WSD decay")
     fig.supxlabel("training tokens (token-passes, log scale)", fontsize=8)
     fig.suptitle(
-        "Learning curves: each point is an annealed drafter at that budget (ticks: fitted asymptotes)"
+        "Learning curves: each point is an annealed drafter at that budget (ticks: identified asymptotes)"
     )
     fig.tight_layout()
     _legend_outside(fig, *axes[0][0].get_legend_handles_labels())
