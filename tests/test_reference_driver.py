@@ -18,7 +18,13 @@ import torch
 from conftest import assert_reference_checkpoint, trained_like
 
 from kvshot_lib.drafters import load_drafter
-from kvshot_lib.evaluation import AcceptanceRun, acceptance_summary, bootstrap_acceptance
+from kvshot_lib.evaluation import (
+    AcceptanceRun,
+    acceptance_summary,
+    bootstrap_acceptance,
+    generation_table,
+    paired_mat_difference,
+)
 from kvshot_lib.reference import PlanError, load_plan
 from kvshot_lib.target import REPO_ROOT
 
@@ -181,9 +187,9 @@ def test_merge_replaces_rerun_rows_and_draws_the_figures(tmp_path):
 
 
 class FakeResult:
-    def __init__(self, attempts, accepts, per_cycle, n_tokens=10):
+    def __init__(self, attempts, accepts, per_cycle, n_tokens=10, prompt_len=20):
         self.step_attempts, self.step_accepts, self.accepted_per_cycle = attempts, accepts, per_cycle
-        self.token_ids, self.draft_s = [0] * n_tokens, 0.0
+        self.token_ids, self.draft_s, self.prompt_len = [0] * n_tokens, 0.0, prompt_len
 
 
 def test_bootstrap_point_values_match_the_summary_and_lie_in_the_interval():
@@ -202,6 +208,33 @@ def test_bootstrap_point_values_match_the_summary_and_lie_in_the_interval():
     for m in ("alpha_0", "alpha_6", "mat", "retention"):
         assert boot.loc[m, "lo"] <= boot.loc[m, "value"] <= boot.loc[m, "hi"]
         assert boot.loc[m, "lo"] < boot.loc[m, "hi"]
+
+
+def test_paired_mat_difference_is_the_difference_of_pooled_mats_and_cancels_what_turns_share():
+    g = torch.Generator().manual_seed(0)
+    prompts = [int(p) for p in torch.randint(20, 400, (40,), generator=g)]
+    # turns differ a lot in how easy they are (0 to 3 accepted per cycle), for both drafters alike; the drafter
+    # accepts one more draft than the n-gram drafter every 4th cycle of every turn
+    easy = [int(e) for e in torch.randint(0, 4, (40,), generator=g)]
+    base = [FakeResult([], [], [e] * 8, prompt_len=p) for e, p in zip(easy, prompts)]
+    better = [
+        FakeResult([], [], [e + (c % 4 == 0) for c in range(8)], prompt_len=p) for e, p in zip(easy, prompts)
+    ]
+    runs = [
+        AcceptanceRun("ngram", "ngram", "", "chain", 0.0, base),
+        AcceptanceRun("d", "hidden", "ttt", "chain", 0.0, better),
+    ]
+    diff = paired_mat_difference(generation_table(runs), "ngram", n_boot=500).iloc[0]
+    by_hand = (sum(easy) * 8 + 2 * 40) / (8 * 40) - sum(easy) * 8 / (8 * 40)  # MAT = 1 + accepted / cycles
+    assert diff["mat_diff"] == pytest.approx(by_hand) == pytest.approx(0.25)
+    # the gap is the same on every turn, so a paired interval is tight around it although the turns vary
+    assert diff["lo"] == pytest.approx(0.25) and diff["hi"] == pytest.approx(0.25) and diff["p"] < 0.01
+    unpaired = bootstrap_acceptance(runs, n_boot=500).query("metric == 'mat'").set_index("drafter")
+    assert (unpaired["hi"] - unpaired["lo"]).min() > 10 * (diff["hi"] - diff["lo"] + 1e-3)
+    # other turns do not pair up: no row
+    other = [FakeResult([], [], r.accepted_per_cycle, prompt_len=r.prompt_len + 1) for r in better]
+    runs[1] = AcceptanceRun("d", "hidden", "ttt", "chain", 0.0, other)
+    assert paired_mat_difference(generation_table(runs), "ngram", n_boot=50).empty
 
 
 def test_regeneration_archives_split_under_the_limit_and_reinstall(tmp_path):

@@ -28,7 +28,7 @@ from .acceptance import (
     run_engine,
     run_greedy_replay,
 )
-from .bootstrap import bootstrap_acceptance
+from .bootstrap import bootstrap_acceptance, generation_table, paired_mat_difference
 from .learning_curves import (
     CURVE_METRICS,
     asymptotes,
@@ -79,6 +79,8 @@ __all__ = [
     "acceptance_summary",
     "acceptance_table",
     "bootstrap_acceptance",
+    "generation_table",
+    "paired_mat_difference",
     "greedy_references",
     "machine_info",
     "machine_name",

@@ -8,6 +8,8 @@ replacement (:func:`resample`), and recomputes the statistic from the drawn unit
   compare estimates measured on the *same* units, so their draws keep each unit's pair together: the interval of
   a difference is then the interval of the per-unit difference, and correlated noise cancels;
   :func:`two_sided_p` turns such draws into a p-value.
+* :func:`paired_mat_difference`: a drafter's MAT minus a baseline's on the same MT-bench turns, resampled in
+  pairs (from :func:`generation_table`).
 * :func:`bootstrap_acceptance`: acceptance by step, MAT and retention of decoding runs, resampling generations,
   each recomputed exactly as :func:`~.acceptance.acceptance_summary` computes it
   (``tests/test_reference_driver.py`` checks the point values against the summary and that the interval
@@ -99,4 +101,56 @@ def bootstrap_acceptance(runs, n_boot: int = 1000, seed: int = 0, steps: int = 7
             col = draws[:, j][~np.isnan(draws[:, j])]
             lo, hi = np.percentile(col, [2.5, 97.5]).tolist() if len(col) else (math.nan, math.nan)
             rows.append(dict(**run.labels(), metric=name, value=point[j], lo=lo, hi=hi, n_generations=G))
+    return pd.DataFrame(rows)
+
+
+def generation_table(runs) -> pd.DataFrame:
+    """One row per generation of each run: its index in the run, prompt length, accepted drafts and cycles; what a
+    paired comparison of two drafters on the same MT-bench turns needs (:func:`paired_mat_difference`)."""
+    rows = [
+        dict(
+            **run.labels(),
+            generation=g,
+            prompt_len=r.prompt_len,
+            accepted=sum(r.accepted_per_cycle),
+            cycles=len(r.accepted_per_cycle),
+        )  # fmt: skip
+        for run in runs
+        for g, r in enumerate(run.results)
+    ]
+    return pd.DataFrame(rows)
+
+
+def paired_mat_difference(generations: pd.DataFrame, baseline: str, n_boot: int = N_BOOT, seed: int = 0):
+    """Each drafter's MAT minus ``baseline``'s, per mode and temperature, on the same generations (one
+    :func:`generation_table`): the point difference, its 95% interval and two-sided p from resampling
+    generations in pairs, so that what the two share (a turn that is easy for both) cancels. Runs whose
+    generations do not pair up (other turns, another count) are left out."""
+    rows, keys = [], ["mode", "temperature"]
+    for key, d in generations.groupby(keys, sort=False):
+        base = d[d["drafter"] == baseline].sort_values("generation")
+        for name, run in d[d["drafter"] != baseline].groupby("drafter", sort=False):
+            run = run.sort_values("generation")
+            if len(base) == 0 or list(run["prompt_len"]) != list(base["prompt_len"]):
+                continue
+            # MAT = 1 + accepted / cycles, so the difference of MATs is the difference of the two ratios
+            est, _, _, draws = ratio_ci(
+                np.stack([run["accepted"], base["accepted"]], 1), np.stack([run["cycles"], base["cycles"]], 1),
+                n_boot, seed,
+            )  # fmt: skip
+            diff = draws[:, 0] - draws[:, 1]
+            point = float(est[0] - est[1])
+            lo, hi = np.percentile(diff, [2.5, 97.5]).tolist()
+            rows.append(
+                dict(
+                    **dict(zip(keys, key)),
+                    drafter=name,
+                    minus=baseline,
+                    mat_diff=point,
+                    lo=lo,
+                    hi=hi,
+                    p=float(two_sided_p(diff)),
+                    n_generations=len(run),
+                )  # fmt: skip
+            )
     return pd.DataFrame(rows)

@@ -9,10 +9,12 @@ different machines, build one table. :func:`update_run` writes
   ``kv_ablation.csv`` (real / zeroed / shuffled target KV) and the run's own ``reference_rows.csv`` (unique
   tokens, token-passes, wall time, machine, plateau, stopping, committed checkpoint per row);
 * what the MT-bench evaluation brings (:func:`acceptance_tables`): ``acceptance_by_step.csv``,
-  ``acceptance_summary.csv`` and ``acceptance_bootstrap.csv`` (95% intervals of alpha_k, MAT, retention);
+  ``acceptance_summary.csv``, ``acceptance_bootstrap.csv`` (95% intervals of alpha_k, MAT, retention) and
+  ``acceptance_generations.csv`` (each generation's accepted drafts and cycles);
 * what is derived from the merged tables (:func:`derived_tables`): ``learning_curves.csv`` with
   ``curve_asymptotes.csv`` (fitted asymptotes), ``gap_by_budget.csv`` / ``gap_trends.csv`` (the plan's
   comparisons and the standard ones), ``gate_stats.csv`` (the hybrid's gate over training),
+  ``mat_vs_ngram.csv`` (each drafter's MAT minus the n-gram drafter's on the same turns, paired bootstrap),
   ``paper_table5.csv`` (the paper's Qwen3-8B numbers) and ``reference_table.csv``: the paper's Table 5 layout
   with its numbers beside ours (:func:`reference_table`);
 
@@ -42,6 +44,7 @@ KEYS = {
     "acceptance_by_step.csv": ACCEPTANCE,
     "acceptance_summary.csv": ACCEPTANCE,
     "acceptance_bootstrap.csv": ACCEPTANCE,
+    "acceptance_generations.csv": ACCEPTANCE,
     "reference_jobs.csv": ["job", "started"],
 }
 FIGURES = {
@@ -111,12 +114,13 @@ def trained_tables(results, summaries: list[dict], ablation: pd.DataFrame | None
 
 def acceptance_tables(runs, n_boot: int) -> dict[str, pd.DataFrame]:
     """Notebook 03's acceptance tables and their 95% bootstrap intervals, of :class:`AcceptanceRun` s."""
-    from ..evaluation import acceptance_summary, acceptance_table, bootstrap_acceptance
+    from ..evaluation import acceptance_summary, acceptance_table, bootstrap_acceptance, generation_table
 
     return {
         "acceptance_by_step.csv": acceptance_table(runs),
         "acceptance_summary.csv": acceptance_summary(runs),
         "acceptance_bootstrap.csv": bootstrap_acceptance(runs, n_boot),
+        "acceptance_generations.csv": generation_table(runs),
     }
 
 
@@ -124,7 +128,14 @@ def derived_tables(tables: dict, comparisons=()) -> dict[str, pd.DataFrame]:
     """What the merged tables give: learning curves and their asymptotes, the gaps between rows by budget (the
     standard pairs of :func:`~kvshot_lib.evaluation.comparison_pairs` and ``comparisons``, ``[(drafter, minus)]``),
     the hybrid gate over training, the paper's Table 5 and ours (:func:`reference_table`)."""
-    from ..evaluation import asymptotes, comparison_pairs, curve_table, gap_by_budget, gap_trends
+    from ..evaluation import (
+        asymptotes,
+        comparison_pairs,
+        curve_table,
+        gap_by_budget,
+        gap_trends,
+        paired_mat_difference,
+    )
 
     out = {"paper_table5.csv": paper_table()}
     points = tables["curve_points.csv"]
@@ -142,6 +153,9 @@ def derived_tables(tables: dict, comparisons=()) -> dict[str, pd.DataFrame]:
     if gates:
         keep = evals.dropna(subset=gates, how="all")
         out["gate_stats.csv"] = keep[["drafter", "step", *gates]].reset_index(drop=True)
+    gens = tables["acceptance_generations.csv"]
+    if not gens.empty and (gens["drafter"] == "ngram").any():
+        out["mat_vs_ngram.csv"] = paired_mat_difference(gens, "ngram")
     out["reference_table.csv"] = reference_table(tables)
     return out
 
