@@ -224,7 +224,7 @@ def test_paired_mat_difference_is_the_difference_of_pooled_mats_and_cancels_what
         AcceptanceRun("ngram", "ngram", "", "chain", 0.0, base),
         AcceptanceRun("d", "hidden", "ttt", "chain", 0.0, better),
     ]
-    diff = paired_mat_difference(generation_table(runs), "ngram", n_boot=500).iloc[0]
+    diff = paired_mat_difference(generation_table(runs), [("d - n-gram", "d", "ngram")], n_boot=500).iloc[0]
     by_hand = (sum(easy) * 8 + 2 * 40) / (8 * 40) - sum(easy) * 8 / (8 * 40)  # MAT = 1 + accepted / cycles
     assert diff["mat_diff"] == pytest.approx(by_hand) == pytest.approx(0.25)
     # the gap is the same on every turn, so a paired interval is tight around it although the turns vary
@@ -234,7 +234,7 @@ def test_paired_mat_difference_is_the_difference_of_pooled_mats_and_cancels_what
     # other turns do not pair up: no row
     other = [FakeResult([], [], r.accepted_per_cycle, prompt_len=r.prompt_len + 1) for r in better]
     runs[1] = AcceptanceRun("d", "hidden", "ttt", "chain", 0.0, other)
-    assert paired_mat_difference(generation_table(runs), "ngram", n_boot=50).empty
+    assert paired_mat_difference(generation_table(runs), [("d - n-gram", "d", "ngram")], n_boot=50).empty
 
 
 def test_regeneration_archives_split_under_the_limit_and_reinstall(tmp_path):

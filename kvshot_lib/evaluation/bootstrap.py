@@ -8,7 +8,7 @@ replacement (:func:`resample`), and recomputes the statistic from the drawn unit
   compare estimates measured on the *same* units, so their draws keep each unit's pair together: the interval of
   a difference is then the interval of the per-unit difference, and correlated noise cancels;
   :func:`two_sided_p` turns such draws into a p-value.
-* :func:`paired_mat_difference`: a drafter's MAT minus a baseline's on the same MT-bench turns, resampled in
+* :func:`paired_mat_difference`: one drafter's MAT minus another's on the same MT-bench turns, resampled in
   pairs (from :func:`generation_table`).
 * :func:`bootstrap_acceptance`: acceptance by step, MAT and retention of decoding runs, resampling generations,
   each recomputed exactly as :func:`~.acceptance.acceptance_summary` computes it
@@ -121,36 +121,42 @@ def generation_table(runs) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def paired_mat_difference(generations: pd.DataFrame, baseline: str, n_boot: int = N_BOOT, seed: int = 0):
-    """Each drafter's MAT minus ``baseline``'s, per mode and temperature, on the same generations (one
-    :func:`generation_table`): the point difference, its 95% interval and two-sided p from resampling
-    generations in pairs, so that what the two share (a turn that is easy for both) cancels. Runs whose
-    generations do not pair up (other turns, another count) are left out."""
-    rows, keys = [], ["mode", "temperature"]
-    for key, d in generations.groupby(keys, sort=False):
-        base = d[d["drafter"] == baseline].sort_values("generation")
-        for name, run in d[d["drafter"] != baseline].groupby("drafter", sort=False):
-            run = run.sort_values("generation")
-            if len(base) == 0 or list(run["prompt_len"]) != list(base["prompt_len"]):
+def paired_mat_difference(
+    generations: pd.DataFrame, pairs, n_boot: int = N_BOOT, seed: int = 0
+) -> pd.DataFrame:
+    """MAT of ``drafter`` minus MAT of ``minus`` for each ``(comparison, drafter, minus)`` of ``pairs``, per mode and
+    temperature, on the same generations (one :func:`generation_table`): the point difference, its 95% interval
+    and two-sided p from resampling generations in pairs, so that what the two share (a turn that is easy for
+    both) cancels. Runs whose generations do not pair up (other turns, another count: at T=1 a sampled first
+    turn changes the second turn's prompt) are left out."""
+    rows = []
+    for (mode, temperature), d in generations.groupby(["mode", "temperature"], sort=False):
+        runs = {name: run.sort_values("generation") for name, run in d.groupby("drafter", sort=False)}
+        for comparison, name, minus in pairs:
+            a, b = runs.get(name), runs.get(minus)
+            if a is None or b is None or list(a["prompt_len"]) != list(b["prompt_len"]):
                 continue
             # MAT = 1 + accepted / cycles, so the difference of MATs is the difference of the two ratios
             est, _, _, draws = ratio_ci(
-                np.stack([run["accepted"], base["accepted"]], 1), np.stack([run["cycles"], base["cycles"]], 1),
-                n_boot, seed,
-            )  # fmt: skip
+                np.stack([a["accepted"], b["accepted"]], 1),
+                np.stack([a["cycles"], b["cycles"]], 1),
+                n_boot,
+                seed,
+            )
             diff = draws[:, 0] - draws[:, 1]
-            point = float(est[0] - est[1])
             lo, hi = np.percentile(diff, [2.5, 97.5]).tolist()
             rows.append(
                 dict(
-                    **dict(zip(keys, key)),
+                    comparison=comparison,
                     drafter=name,
-                    minus=baseline,
-                    mat_diff=point,
+                    minus=minus,
+                    mode=mode,
+                    temperature=temperature,
+                    mat_diff=float(est[0] - est[1]),
                     lo=lo,
                     hi=hi,
                     p=float(two_sided_p(diff)),
-                    n_generations=len(run),
+                    n_generations=len(a),
                 )  # fmt: skip
             )
     return pd.DataFrame(rows)

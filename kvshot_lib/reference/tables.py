@@ -14,7 +14,8 @@ different machines, build one table. :func:`update_run` writes
 * what is derived from the merged tables (:func:`derived_tables`): ``learning_curves.csv`` with
   ``curve_asymptotes.csv`` (fitted asymptotes), ``gap_by_budget.csv`` / ``gap_trends.csv`` (the plan's
   comparisons and the standard ones), ``gate_stats.csv`` (the hybrid's gate over training),
-  ``mat_vs_ngram.csv`` (each drafter's MAT minus the n-gram drafter's on the same turns, paired bootstrap),
+  ``mat_differences.csv`` (MT-bench MAT of each drafter minus the n-gram drafter's, and of the pairs above, on
+  the same turns: a paired bootstrap),
   ``paper_table5.csv`` (the paper's Qwen3-8B numbers) and ``reference_table.csv``: the paper's Table 5 layout
   with its numbers beside ours (:func:`reference_table`);
 
@@ -127,7 +128,8 @@ def acceptance_tables(runs, n_boot: int) -> dict[str, pd.DataFrame]:
 def derived_tables(tables: dict, comparisons=()) -> dict[str, pd.DataFrame]:
     """What the merged tables give: learning curves and their asymptotes, the gaps between rows by budget (the
     standard pairs of :func:`~kvshot_lib.evaluation.comparison_pairs` and ``comparisons``, ``[(drafter, minus)]``),
-    the hybrid gate over training, the paper's Table 5 and ours (:func:`reference_table`)."""
+    the hybrid gate over training, MT-bench MAT differences on the same turns (each drafter minus the n-gram
+    drafter, and the same pairs), the paper's Table 5 and ours (:func:`reference_table`)."""
     from ..evaluation import (
         asymptotes,
         comparison_pairs,
@@ -137,7 +139,7 @@ def derived_tables(tables: dict, comparisons=()) -> dict[str, pd.DataFrame]:
         paired_mat_difference,
     )
 
-    out = {"paper_table5.csv": paper_table()}
+    out, pairs = {"paper_table5.csv": paper_table()}, []
     points = tables["curve_points.csv"]
     if not points.empty:
         curves = curve_table(points)
@@ -154,8 +156,9 @@ def derived_tables(tables: dict, comparisons=()) -> dict[str, pd.DataFrame]:
         keep = evals.dropna(subset=gates, how="all")
         out["gate_stats.csv"] = keep[["drafter", "step", *gates]].reset_index(drop=True)
     gens = tables["acceptance_generations.csv"]
-    if not gens.empty and (gens["drafter"] == "ngram").any():
-        out["mat_vs_ngram.csv"] = paired_mat_difference(gens, "ngram")
+    if not gens.empty:  # pairs whose drafters were not both evaluated are left out
+        ngram = [("drafter - n-gram", d, "ngram") for d in gens["drafter"].unique() if d != "ngram"]
+        out["mat_differences.csv"] = paired_mat_difference(gens, ngram + pairs)
     out["reference_table.csv"] = reference_table(tables)
     return out
 
