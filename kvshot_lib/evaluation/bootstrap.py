@@ -114,7 +114,7 @@ def generation_table(runs) -> pd.DataFrame:
             prompt_len=r.prompt_len,
             accepted=sum(r.accepted_per_cycle),
             cycles=len(r.accepted_per_cycle),
-        )  # fmt: skip
+        )
         for run in runs
         for g, r in enumerate(run.results)
     ]
@@ -157,6 +157,6 @@ def paired_mat_difference(
                     hi=hi,
                     p=float(two_sided_p(diff)),
                     n_generations=len(a),
-                )  # fmt: skip
+                )
             )
     return pd.DataFrame(rows)

@@ -78,7 +78,7 @@ def _wilson(p: float, n: float) -> tuple[float, float]:
     return float(centre - half), float(centre + half)
 
 
-MIN_BEND = 0.25  # the share of its remaining gap a fitted curve must close within the data to identify a
+MIN_BEND = 0.25  # the share of its remaining gap a fitted curve must close within the data to identify its a
 
 
 def _saturating(x, a, b, c):

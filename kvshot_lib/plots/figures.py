@@ -182,7 +182,8 @@ SPECS = [
             "curve_asymptotes.csv": ["drafter", "metric", "a", "a_lo", "a_hi", "identified"],
         },
         lambda t: (
-            f"{_n_range(t['learning_curves.csv'].groupby('drafter')['tokens'].nunique())} budgets per drafter, each after a WSD decay branch "
+            f"{_n_range(t['learning_curves.csv'].groupby('drafter')['tokens'].nunique())} budgets per drafter, "
+            "each after a WSD decay branch "
             "(warmup-stable-decay; the last point is the run's own decay); bars: 95% intervals (Wilson; MAT: "
             "parametric bootstrap)"
         ),
