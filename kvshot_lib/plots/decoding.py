@@ -109,13 +109,6 @@ def plot_speedup_vs_mat(table: pd.DataFrame, title: str | None = None):
             edgecolors=color,
             alpha=1.0 if r["temperature"] == 0 else 0.5,
         )
-        ax.annotate(
-            f"{r['drafter']} {r['method']} {precision[i]}",
-            (r["mat"], y),
-            fontsize=5,
-            xytext=(4, 3),
-            textcoords="offset points",
-        )
     for i, (_, r) in enumerate(table[table["method"].str.startswith("hf_")].iterrows()):
         label = f"{r['method']} {precision[r.name]} (T={r['temperature']:g}): {r['speedup_vs_ar']:.2f}x"
         ax.axhline(
@@ -126,14 +119,18 @@ def plot_speedup_vs_mat(table: pd.DataFrame, title: str | None = None):
             label=label,
         )
     ax.axhline(1.0, color="black", lw=0.8, label="plain decoding (ours), each precision")
+    # the legend names what colour (drafter) and shape (method) mean, instead of a label beside each point:
+    # points of one drafter and method in both precisions sit close, and their labels collided
+    for name, look in looks.items():
+        ax.scatter([], [], marker="o", facecolors=look["color"], edgecolors=look["color"], label=name)
     for method, marker in _METHOD_MARKERS.items():
         if (spec["method"] == method).any():
-            ax.scatter([], [], marker=marker, facecolors="gray", edgecolors="gray", label=method)
+            ax.scatter([], [], marker=marker, facecolors="0.85", edgecolors="0.2", label=method)  # shape only
     ax.set_xlabel("MAT τ (tokens per cycle)")
     ax.set_ylabel("speedup vs plain decoding (×, same run)")
     machine = table["machine"].iloc[0] if "machine" in table and len(table) else ""
     ax.set_title(title or f"End-to-end speedup on {machine} (filled: bf16, hollow: fp32)")
-    ax.legend(frameon=False, loc="best", fontsize=5.5)
+    ax.legend(frameon=False, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=5.5)
     return finish_figure(fig)
 
 
