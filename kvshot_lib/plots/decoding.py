@@ -130,8 +130,7 @@ def plot_speedup_vs_mat(table: pd.DataFrame, title: str | None = None):
     ax.set_ylabel("speedup vs plain decoding (×, same run)")
     machine = table["machine"].iloc[0] if "machine" in table and len(table) else ""
     ax.set_title(title or f"End-to-end speedup on {machine} (filled: bf16, hollow: fp32)")
-    ax.legend(frameon=False, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=5.5)
-    return finish_figure(fig)
+    return finish_figure(fig, legend_from=ax, fontsize=5.5)
 
 
 def plot_cost_model(costs: pd.DataFrame, title: str = "What one cycle costs: the measured cost model"):
