@@ -21,6 +21,8 @@ def no_bf16_cpu(monkeypatch):
 
 @pytest.fixture
 def amx_cpu(monkeypatch):
+    """A CPU with AMX-BF16 and AVX512-BF16. The bf16 numerics tests use it too, so that they run on any CPU
+    (bf16 is emulated where the CPU lacks it, and explicit bf16 is refused there)."""
     monkeypatch.setattr(
         precision_module, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
     )
@@ -89,7 +91,7 @@ def stores(peaky, tmp_path_factory, tokenizer):
     )
 
 
-def test_a_bf16_run_follows_the_float32_loss_curve(peaky, stores, tmp_path):
+def test_a_bf16_run_follows_the_float32_loss_curve(amx_cpu, peaky, stores, tmp_path):
     """50 steps of the KV drafter: the bf16 loss curve stays within 3% of float32's, step by step on average
     (5% at any step), and both fall by the same amount."""
     base = dict(
@@ -114,7 +116,9 @@ def test_a_bf16_run_follows_the_float32_loss_curve(peaky, stores, tmp_path):
     assert runs["no"].drafter.cfg.extra["machine"]["precision"] == "fp32"
 
 
-def test_bf16_feature_store_round_trips_and_float32_stores_still_load(tiny_llama, tokenizer, tmp_path):
+def test_bf16_feature_store_round_trips_and_float32_stores_still_load(
+    amx_cpu, tiny_llama, tokenizer, tmp_path
+):
     split = tokenize_sharegpt(tokenizer, "train", 2, 48, seed=0)
     bf16 = extract_features(tiny_llama, split, out_dir=tmp_path / "bf16", precision="bf16")
     fp32 = extract_features(tiny_llama, split, out_dir=tmp_path / "fp32", dtype="float32", precision="no")
