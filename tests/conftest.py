@@ -15,6 +15,16 @@ from kvshot_lib.target import load_target, smollm2_tokenizer
 TEST_DEVICE = os.environ.get("KVSHOT_TEST_DEVICE", "cpu")
 
 
+@pytest.fixture
+def amx_cpu(monkeypatch):
+    """A CPU with AMX-BF16 and AVX512-BF16. The bf16 numerics tests use it too, so that they run on any CPU
+    (bf16 is emulated where the CPU lacks it, and explicit bf16 is refused there)."""
+    monkeypatch.setattr(
+        "kvshot_lib.target.precision.cpu_flags",
+        lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return load_target("tiny-llama", device=TEST_DEVICE, dtype="float32")

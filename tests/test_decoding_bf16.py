@@ -82,13 +82,10 @@ def test_bf16_verification_agrees_with_float32_up_to_near_ties(pair):
     assert disagreements / positions < 0.1
 
 
-def test_bf16_speculative_greedy_equals_bf16_plain_decoding_up_to_near_ties(pair, monkeypatch):
+def test_bf16_speculative_greedy_equals_bf16_plain_decoding_up_to_near_ties(amx_cpu, pair):
     """Chain and tree, the noisy self drafter and an (untrained) hidden drafter bound to the bf16 target and cast
     with it: each output equals bf16 plain decoding's, or first differs where plain decoding's top-2 margin is
     a near-tie. The float32 outputs equal float32 plain decoding exactly."""
-    # the numerics hold on any CPU (bf16 is emulated where the CPU lacks it); precision_setups refuses bf16 on
-    # such a CPU as too slow, so the test says this one has it
-    monkeypatch.setattr("kvshot_lib.target.precision.cpu_flags", lambda: frozenset({"avx512_bf16"}))
     t32, t16 = pair
     cfg = drafter_config_for(t32, "hidden", draft_vocab_size=512, regime="ttt")
     hidden = build_drafter(cfg, t32, torch.arange(512), seed=0)

@@ -19,15 +19,6 @@ def no_bf16_cpu(monkeypatch):
     monkeypatch.setattr(precision_module, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
 
 
-@pytest.fixture
-def amx_cpu(monkeypatch):
-    """A CPU with AMX-BF16 and AVX512-BF16. The bf16 numerics tests use it too, so that they run on any CPU
-    (bf16 is emulated where the CPU lacks it, and explicit bf16 is refused there)."""
-    monkeypatch.setattr(
-        precision_module, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
-    )
-
-
 def test_auto_picks_bf16_only_where_the_cpu_has_it(no_bf16_cpu):
     assert resolve_precision("auto", "cpu") == "no"
     assert resolve_precision("no", "cpu") == "no"
