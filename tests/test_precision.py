@@ -33,6 +33,26 @@ def test_auto_picks_bf16_on_an_amx_cpu(amx_cpu):
     assert precision_module.bf16_isa() == "amx_bf16 amx_tile avx512_bf16"
 
 
+def test_machine_labels_tell_cpus_of_one_model_apart_by_their_bf16_path(monkeypatch):
+    """Two AMD EPYCs, one with AVX512-BF16 and one with AVX2 only, train 4-5x apart: their benchmark files and
+    table labels differ; a record from before the tier keeps its old label."""
+    from kvshot_lib.evaluation.speed_table import machine_info, machine_name
+
+    labels = {}
+    for tier, flags in {
+        "amx": {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"},
+        "avx512bf16": {"avx512f", "avx512_bf16"},
+        "nobf16": {"avx", "avx2", "fma"},
+    }.items():
+        monkeypatch.setattr(precision_module, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert precision_module.bf16_tier() == tier
+        info = dict(machine_info(), cpu="AMD EPYC", cores=2, gpu=None)
+        labels[tier] = machine_name(info)
+    assert labels == {t: f"amd-epyc-2cores-{t}" for t in labels}
+    old = dict(cpu="AMD EPYC", cores=2, gpu=None)  # a record written before the tier was kept
+    assert machine_name(old) == "amd-epyc-2cores"
+
+
 def test_bf16_is_refused_before_any_work(no_bf16_cpu, tiny_llama, tmp_path):
     cfg = TrainConfig(paradigm="hidden", regime="ttt", mixed_precision="bf16", draft_vocab_size=64)
     with pytest.raises(PrecisionError):

@@ -24,7 +24,7 @@ import statistics
 import pandas as pd
 import torch
 
-from ..target import cpu_model
+from ..target import bf16_tier, cpu_model
 from . import metrics
 
 
@@ -36,6 +36,7 @@ def machine_info() -> dict:
     return dict(
         host=platform.node(),
         cpu=cpu_model(),
+        bf16=bf16_tier(),
         cores=os.cpu_count(),
         torch_threads=torch.get_num_threads(),
         gpu=gpu,
@@ -46,9 +47,11 @@ def machine_info() -> dict:
 
 
 def machine_name(info: dict | None = None) -> str:
-    """A short file-name-safe label: the GPU, else the CPU model and core count."""
+    """A short file-name-safe label: the GPU, else the CPU model, core count and bf16 tier (``amd-epyc-2cores-
+    nobf16``); a record written before the tier was kept (no ``bf16`` key) keeps its old label."""
     info = info or machine_info()
-    label = info["gpu"] or f"{info['cpu']}-{info['cores']}cores"
+    tier = f"-{info['bf16']}" if info.get("bf16") else ""
+    label = info["gpu"] or f"{info['cpu']}-{info['cores']}cores{tier}"
     return "".join(c if c.isalnum() else "-" for c in label).strip("-").lower()
 
 

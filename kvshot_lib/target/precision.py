@@ -68,6 +68,14 @@ def cpu_has_bf16() -> bool:
     return any(f in cpu_flags() for f in BF16_FLAGS)
 
 
+def bf16_tier() -> str:
+    """The CPU's fastest bf16 path in one word: ``"amx"``, ``"avx512bf16"`` or ``"nobf16"``. File names and
+    machine labels carry it: two CPUs of one model name (an AMD EPYC with AVX512-BF16 and one with AVX2 only)
+    differ 4-5x in training throughput, and their results must not overwrite or stand in for each other."""
+    flags = cpu_flags()
+    return "amx" if "amx_bf16" in flags else "avx512bf16" if "avx512_bf16" in flags else "nobf16"
+
+
 def _device_kind(device) -> str:
     if str(device) == "auto":  # as load_target resolves it
         return "cuda" if torch.cuda.is_available() else "cpu"
