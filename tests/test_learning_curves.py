@@ -163,3 +163,26 @@ def test_learning_curve_caption_counts_budgets_per_drafter_not_across_drafters()
     assert FIGURES["02_learning_curves"].counts(t).startswith("2–3 budgets per drafter")
     t["learning_curves.csv"] = t["learning_curves.csv"][t["learning_curves.csv"]["drafter"] == "hidden-ttt"]
     assert FIGURES["02_learning_curves"].counts(t).startswith("3 budgets per drafter")
+
+
+def test_budget_note_gives_the_budgets_of_the_drafters_a_figure_shows(tmp_path):
+    import pandas as pd
+
+    from kvshot_lib.training import budget_note
+
+    # a run whose rows trained 1.7M and 8M token-passes on two machines; notebook 04 shows only kv-ttt
+    pd.DataFrame(
+        [
+            ("none-ttt", 1_698_270, "bf16", "AMD EPYC", "avx512_bf16", 1_060_475),
+            ("kv-ttt", 8_001_746, "bf16", "AMD EPYC", "avx512_bf16", 1_060_475),
+            ("kv-ttt-zeroed", 1_700_000, "fp32", "AMD EPYC", "none", 1_060_475),
+        ],
+        columns=["drafter", "train_tokens", "precision", "cpu", "bf16_isa", "unique_tokens"],
+    ).to_csv(tmp_path / "training_times.csv", index=False)
+    whole = budget_note(tmp_path)
+    assert whole.startswith("1.70M–8.00M token-passes per drafter over 1.06M unique tokens")
+    assert "fp32 on AMD EPYC (none)" in whole
+    shown = budget_note(tmp_path, ["kv-ttt"])
+    assert shown.startswith("8.00M token-passes per drafter over 1.06M unique tokens")
+    assert shown.endswith("trained in bf16 on AMD EPYC (avx512_bf16)")
+    assert budget_note(tmp_path, {"hybrid-ttt": None}) == whole  # names the table lacks: every row

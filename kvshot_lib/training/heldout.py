@@ -192,14 +192,18 @@ def training_times(results) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def budget_note(results_dir) -> str:
+def budget_note(results_dir, drafters=None) -> str:
     """The caption words that say a run's drafters are budget-limited: the training tokens each one saw
     (from ``training_times.csv``, which notebook 02 writes), against the ~10^8 of published recipes. Where the
-    table has ``unique_tokens`` (the reference run's), the token-passes, the unique tokens and the precision."""
+    table has ``unique_tokens`` (the reference run's), the token-passes, the unique tokens and the precision.
+    ``drafters``: the names a figure shows (notebook 04 measures only the KV readers), so that its caption
+    gives their budgets, not the run's whole range; None, or names the table lacks, keep every row."""
     path = Path(results_dir) / "training_times.csv"
     if not path.is_file():
         return "drafters: none trained in this run"
     times = pd.read_csv(path)
+    shown = times[times["drafter"].isin(list(drafters))] if drafters is not None else times
+    times = shown if len(shown) else times
     tokens = times["train_tokens"]
     lo, hi = tokens.min() / 1e6, tokens.max() / 1e6
     seen = f"{lo:.2f}M" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}M–{hi:.2f}M"
