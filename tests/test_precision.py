@@ -36,7 +36,7 @@ def test_auto_picks_bf16_on_an_amx_cpu(amx_cpu):
 def test_machine_labels_tell_cpus_of_one_model_apart_by_their_bf16_path(monkeypatch):
     """Two AMD EPYCs, one with AVX512-BF16 and one with AVX2 only, train 4-5x apart: their benchmark files and
     table labels differ; a record from before the tier keeps its old label."""
-    from kvshot_lib.evaluation.speed_table import machine_info, machine_name
+    from kvshot_lib.evaluation import machine_info, machine_name
 
     labels = {}
     for tier, flags in {

@@ -5,12 +5,14 @@
 * one module per notebook family: :mod:`.corpus` (00), :mod:`.diagnostics` (01, 04), :mod:`.training` (02, 05),
   :mod:`.decoding` (03, 06), :mod:`.specpv` (07);
   their functions take the saved tables (DataFrames), never live objects;
-* :mod:`.figures`: the registry of every figure and its tables, :func:`publish` (a notebook keeps the tables
-  beside the figure and draws it from them) and :func:`redraw` (``kvshot figures``).
+* :mod:`.registry`: every figure with the tables it reads (:data:`FIGURES`);
+* :mod:`.figures`: :func:`publish` (a notebook keeps the tables beside the figure and draws it from them) and
+  :func:`redraw` (``kvshot figures``).
 """
 
-from . import corpus, decoding, diagnostics, figures, specpv, training
-from .figures import FIGURES, FigureDataError, draw, load_tables, publish, redraw
+from . import corpus, decoding, diagnostics, figures, registry, specpv, training
+from .figures import FigureDataError, draw, load_tables, publish, redraw
+from .registry import FIGURES, FigureSpec
 from .style import (
     COLUMN,
     PAGE,
@@ -29,6 +31,7 @@ __all__ = [
     "PAGE",
     "PARADIGM_COLORS",
     "FigureDataError",
+    "FigureSpec",
     "add_caption",
     "corpus",
     "decoding",
@@ -42,6 +45,7 @@ __all__ = [
     "paper_theme",
     "publish",
     "redraw",
+    "registry",
     "save_figure",
     "specpv",
     "training",
