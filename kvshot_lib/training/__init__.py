@@ -53,6 +53,7 @@ from .loop import (
 )
 from .losses import branch_valid, regime_loss, sample_anchors, sample_branches, step_mask
 from .online import OnlineBatches, online_eval_set, target_batch
+from .state import read_train_state
 
 __all__ = [
     "SCHEDULES",
@@ -102,6 +103,7 @@ __all__ = [
     "plateau_step",
     "stable_plateau",
     "read_logs",
+    "read_train_state",
     "regime_loss",
     "run_end",
     "run_summary",

@@ -1,0 +1,79 @@
+"""Learning-curve points of reference rows that are still training (or were stopped), beside finished rows.
+
+A row of the reference run logs an annealed learning-curve point at each budget of its plan (cap/32, cap/16,
+...; WSD decay branches, ``training/curves.py``). The data order and the stable-phase learning rate are
+functions of the step, so the points a row has logged when it is stopped are the points the full row would
+log at those budgets. This reads them from the row's saved state (``runs/<run>/drafters/<row>/state/``),
+tables them like notebook 02 (:func:`~kvshot_lib.evaluation.curve_table`), and compares them at equal budgets
+with any other row, saved or committed (``figures/<run>/data/learning_curves.csv``)::
+
+    python scripts/reference/partial_curve_points.py --rows kv-ttt-tinit --against kv-ttt \
+        --out figures/reference/data/partial/kv-ttt-tinit_curve.csv
+
+Prints the points and the gaps (:func:`~kvshot_lib.evaluation.gap_by_budget`, 95% normal intervals); a
+label ``row@here`` names a row trained on this machine whose name is also a committed row's.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+
+from kvshot_lib.evaluation import curve_table, gap_by_budget
+from kvshot_lib.reference import load_plan
+from kvshot_lib.target import REPO_ROOT, machine_record, resolve_precision
+from kvshot_lib.training import read_train_state
+
+
+def saved_points(run_dir: Path, row: str, label: str) -> pd.DataFrame:
+    """The curve points row ``row`` has logged so far (its saved state), as a ``curve_table``."""
+    meta = read_train_state(run_dir / "drafters" / row)
+    if meta is None:
+        raise SystemExit(f"no saved state for {row!r} under {run_dir / 'drafters'}: is it training?")
+    cfg = meta["config"]
+    machine = machine_record(resolve_precision(cfg["mixed_precision"], "cpu"))  # a state is this machine's
+    curve = pd.DataFrame(meta["logs"]["curve"]).assign(
+        drafter=label,
+        paradigm=cfg["paradigm"],
+        regime=cfg["regime"],
+        target_kv=cfg.get("target_kv", "real"),
+        **{k: machine.get(k) for k in ("precision", "cpu", "bf16_isa")},
+    )
+    print(f"{label}: step {meta['step']} saved, {len(curve)} curve points")
+    return curve_table(curve)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", default="reference")
+    ap.add_argument("--rows", nargs="+", required=True, help="rows with a saved state on this machine")
+    ap.add_argument("--against", nargs="*", default=[], help="committed rows to compare with")
+    ap.add_argument("--out", default=None, help="write the points and gaps here (CSV, gaps beside it)")
+    args = ap.parse_args()
+    plan = load_plan(args.run)
+    run_dir = REPO_ROOT / "runs" / plan.run_name
+    committed = pd.read_csv(REPO_ROOT / "figures" / plan.run_name / "data" / "learning_curves.csv")
+    labels = {r: (f"{r}@here" if r in set(committed["drafter"]) else r) for r in args.rows}
+    here = pd.concat([saved_points(run_dir, r, labels[r]) for r in args.rows], ignore_index=True)
+    table = pd.concat([here, committed[committed["drafter"].isin(args.against)]], ignore_index=True)
+    pairs = [("partial", a, b) for a in labels.values() for b in args.against]
+    pairs += [("partial", a, b) for a in labels.values() for b in labels.values() if a < b]
+    gaps = gap_by_budget(table, pairs)
+    cols = ["drafter", "budget_step", "tokens", "metric", "value", "lo", "hi", "precision", "bf16_isa"]
+    print(table[cols].to_string(index=False, float_format="%.4f"))
+    print(
+        gaps[["drafter", "minus", "metric", "tokens", "gap", "lo", "hi"]].to_string(
+            index=False, float_format="%+.4f"
+        )
+    )
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        here.to_csv(out, index=False)
+        gaps.to_csv(out.with_name(out.stem + "_gaps.csv"), index=False)
+
+
+if __name__ == "__main__":
+    main()
