@@ -7,9 +7,11 @@ log at those budgets. This reads them from the row's saved state (``runs/<run>/d
 tables them like notebook 02 (:func:`~kvshot_lib.evaluation.curve_table`), and compares them at equal budgets
 with any other row, saved or committed (``figures/<run>/data/learning_curves.csv``)::
 
-    python scripts/reference/partial_curve_points.py --rows kv-ttt-tinit --against kv-ttt \
+    python scripts/reference/partial_curve_points.py --rows kv-ttt-tinit /tmp/ctl:kv-ttt --against kv-ttt \
         --out figures/reference/data/partial/kv-ttt-tinit_curve.csv
 
+A row is ``NAME`` (trained in this checkout's ``runs/``) or ``ROOT:NAME`` (a run started with ``--root ROOT``,
+e.g. a control row trained beside a committed one of the same name).
 Prints the points and the gaps (:func:`~kvshot_lib.evaluation.gap_by_budget`, 95% normal intervals); a
 label ``row@here`` names a row trained on this machine whose name is also a committed row's.
 """
@@ -53,10 +55,13 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the points and gaps here (CSV, gaps beside it)")
     args = ap.parse_args()
     plan = load_plan(args.run)
-    run_dir = REPO_ROOT / "runs" / plan.run_name
     committed = pd.read_csv(REPO_ROOT / "figures" / plan.run_name / "data" / "learning_curves.csv")
-    labels = {r: (f"{r}@here" if r in set(committed["drafter"]) else r) for r in args.rows}
-    here = pd.concat([saved_points(run_dir, r, labels[r]) for r in args.rows], ignore_index=True)
+    where = {r.rpartition(":")[2]: Path(r.rpartition(":")[0] or REPO_ROOT) for r in args.rows}
+    labels = {r: (f"{r}@here" if r in set(committed["drafter"]) else r) for r in where}
+    here = pd.concat(
+        [saved_points(root / "runs" / plan.run_name, r, labels[r]) for r, root in where.items()],
+        ignore_index=True,
+    )
     table = pd.concat([here, committed[committed["drafter"].isin(args.against)]], ignore_index=True)
     pairs = [("partial", a, b) for a in labels.values() for b in args.against]
     pairs += [("partial", a, b) for a in labels.values() for b in labels.values() if a < b]
