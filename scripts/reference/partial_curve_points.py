@@ -10,6 +10,9 @@ with any other row, saved or committed (``figures/<run>/data/learning_curves.csv
     python scripts/reference/partial_curve_points.py --rows kv-ttt-tinit /tmp/ctl:kv-ttt --against kv-ttt \
         --out figures/reference/data/partial/kv-ttt-tinit_curve.csv
 
+A later stretch of a row whose control's state is gone keeps the control's points from the earlier table
+(``--keep figures/reference/data/partial/kv-ttt-tinit_curve.csv``).
+
 A row is ``NAME`` (trained in this checkout's ``runs/``) or ``ROOT:NAME`` (a run started with ``--root ROOT``,
 e.g. a control row trained beside a committed one of the same name).
 Prints the points and the gaps (:func:`~kvshot_lib.evaluation.gap_by_budget`, 95% normal intervals); a
@@ -53,6 +56,11 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", required=True, help="rows with a saved state on this machine")
     ap.add_argument("--against", nargs="*", default=[], help="committed rows to compare with")
     ap.add_argument("--out", default=None, help="write the points and gaps here (CSV, gaps beside it)")
+    ap.add_argument(
+        "--keep",
+        default=None,
+        help="an earlier --out table: its rows not given in --rows (their states are gone) are kept beside them",
+    )
     args = ap.parse_args()
     plan = load_plan(args.run)
     committed = pd.read_csv(REPO_ROOT / "figures" / plan.run_name / "data" / "learning_curves.csv")
@@ -62,9 +70,13 @@ def main() -> None:
         [saved_points(root / "runs" / plan.run_name, r, labels[r]) for r, root in where.items()],
         ignore_index=True,
     )
+    if args.keep:
+        kept = pd.read_csv(args.keep)
+        here = pd.concat([here, kept[~kept["drafter"].isin(here["drafter"])]], ignore_index=True)
+    names = list(here["drafter"].unique())
     table = pd.concat([here, committed[committed["drafter"].isin(args.against)]], ignore_index=True)
-    pairs = [("partial", a, b) for a in labels.values() for b in args.against]
-    pairs += [("partial", a, b) for a in labels.values() for b in labels.values() if a < b]
+    pairs = [("partial", a, b) for a in names for b in args.against]
+    pairs += [("partial", a, b) for a in names for b in names if a < b]
     gaps = gap_by_budget(table, pairs)
     cols = ["drafter", "budget_step", "tokens", "metric", "value", "lo", "hi", "precision", "bf16_isa"]
     print(table[cols].to_string(index=False, float_format="%.4f"))
