@@ -186,3 +186,26 @@ def test_budget_note_gives_the_budgets_of_the_drafters_a_figure_shows(tmp_path):
     assert shown.startswith("8.00M token-passes per drafter over 1.06M unique tokens")
     assert shown.endswith("trained in bf16 on AMD EPYC (avx512_bf16)")
     assert budget_note(tmp_path, {"hybrid-ttt": None}) == whole  # names the table lacks: every row
+
+
+def test_two_drafters_of_one_paradigm_and_regime_are_told_apart_in_the_curves():
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from kvshot_lib.plots.style import drafter_color
+    from kvshot_lib.plots.training import plot_learning_curves
+
+    # kv-ttt-tinit is kv-ttt with another initialization: the same paradigm, regime and KV condition
+    rows = [
+        (name, "kv", "ttt", kv, n, "acc_0", v, v - 0.01, v + 0.01)
+        for name, kv in (("kv-ttt", "real"), ("kv-ttt-zeroed", "zeroed"), ("kv-ttt-tinit", "real"))
+        for n, v in ((1e5, 0.2), (1e6, 0.3))
+    ]
+    cols = ["drafter", "paradigm", "regime", "target_kv", "tokens", "metric", "value", "lo", "hi"]
+    fig = plot_learning_curves(pd.DataFrame(rows, columns=cols))
+    color = {c.get_label(): c.lines[0].get_color() for c in fig.axes[0].containers}  # one per errorbar
+    plt.close(fig)
+    kv = tuple(drafter_color("kv-ttt", "kv"))
+    assert tuple(color["kv-ttt"][:3]) == kv
+    assert tuple(color["kv-ttt-zeroed"][:3]) == kv  # the zeroed control: faded, not recoloured
+    assert tuple(color["kv-ttt-tinit"][:3]) == tuple(0.6 * c for c in kv)  # the second look-alike: darker

@@ -36,6 +36,20 @@ def _style(name: str, paradigm: str, regime: str, target_kv: str = "real") -> di
     return style
 
 
+def _styles(df: pd.DataFrame) -> dict[str, dict]:
+    """:func:`_style` of every drafter in ``df``; a later drafter that would look like an earlier one (the same
+    paradigm, regime and KV condition, e.g. ``kv-ttt-tinit`` beside ``kv-ttt``) is drawn in a darker shade."""
+    styles, seen = {}, {}
+    for name, *style in _drafters(df):
+        key = tuple(style)
+        styles[name] = _style(name, *style)
+        if seen.setdefault(key, 0):
+            dark = 0.6 ** seen[key]
+            styles[name]["color"] = tuple(c * dark for c in styles[name]["color"])
+        seen[key] += 1
+    return styles
+
+
 def wilson_interval(p, n, z: float = 1.96):
     """The 95% Wilson score interval of a proportion ``p`` measured on ``n`` trials (arrays)."""
     p, n = np.asarray(p, float), np.maximum(np.asarray(n, float), 1)
@@ -59,9 +73,9 @@ def _legend_outside(fig, handles, labels) -> None:
 def plot_training_curves(history: pd.DataFrame, smooth: int = 10):
     """Training loss and training step-0 agreement with the target, per drafter, against optimizer steps."""
     fig, axes = plt.subplots(1, 2, figsize=(PAGE, 2.6))
-    for name, *style in _drafters(history):
+    for name, style in _styles(history).items():
         h = history[history["drafter"] == name].sort_values("step")
-        kw = dict(**_style(name, *style), label=name, lw=1.4)
+        kw = dict(**style, label=name, lw=1.4)
         axes[0].plot(h["step"], h["loss"].rolling(smooth, min_periods=1).mean(), **kw)
         axes[1].plot(h["step"], h["acc_0"].rolling(smooth, min_periods=1).mean(), **kw)
     axes[0].set_yscale("log")
@@ -82,9 +96,9 @@ def plot_training_curves(history: pd.DataFrame, smooth: int = 10):
 def plot_per_step_accuracy(per_step: pd.DataFrame):
     """Held-out accuracy by draft step k (left) and retention acc_k / acc_0 (right), per drafter."""
     fig, axes = plt.subplots(1, 2, figsize=(PAGE, 2.7))
-    for name, *style in _drafters(per_step):
+    for name, style in _styles(per_step).items():
         d = per_step[per_step["drafter"] == name].sort_values("draft_step")
-        kw = dict(**_style(name, *style), marker="o", label=name)
+        kw = dict(**style, marker="o", label=name)
         axes[0].plot(d["draft_step"], d["accuracy"], **kw)
         if "n" in d:
             lo, hi = wilson_interval(d["accuracy"], d["n"])
@@ -187,9 +201,9 @@ def plot_heldout_over_training(evals: pd.DataFrame, steps: tuple[int, ...] = (0,
     steps = [k for k in steps if f"acc_{k}" in evals]
     fig, axes = plt.subplots(1, len(steps), figsize=(PAGE, 2.4), sharey=True, squeeze=False)
     for ax, k in zip(axes[0], steps):
-        for name, *style in _drafters(evals):
+        for name, style in _styles(evals).items():
             e = evals[evals["drafter"] == name].sort_values("step")
-            ax.plot(e["step"], e[f"acc_{k}"], **_style(name, *style), marker=".", label=name)
+            ax.plot(e["step"], e[f"acc_{k}"], **style, marker=".", label=name)
         ax.set_title(f"draft step {k}")
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
@@ -382,9 +396,8 @@ def plot_learning_curves(curves: pd.DataFrame, fits: pd.DataFrame | None = None)
     fig, axes = plt.subplots(1, len(metrics), figsize=(PAGE, 2.7), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         m = curves[curves["metric"] == metric]
-        for name, *style in _drafters(m):
+        for name, kw in _styles(m).items():
             d = m[m["drafter"] == name].sort_values("tokens")
-            kw = _style(name, *style)
             ax.errorbar(
                 d["tokens"],
                 d["value"],
