@@ -192,8 +192,7 @@ def test_two_drafters_of_one_paradigm_and_regime_are_told_apart_in_the_curves():
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    from kvshot_lib.plots.style import drafter_color
-    from kvshot_lib.plots.training import plot_learning_curves
+    from kvshot_lib.plots import drafter_color, training
 
     # kv-ttt-tinit is kv-ttt with another initialization: the same paradigm, regime and KV condition
     rows = [
@@ -202,7 +201,7 @@ def test_two_drafters_of_one_paradigm_and_regime_are_told_apart_in_the_curves():
         for n, v in ((1e5, 0.2), (1e6, 0.3))
     ]
     cols = ["drafter", "paradigm", "regime", "target_kv", "tokens", "metric", "value", "lo", "hi"]
-    fig = plot_learning_curves(pd.DataFrame(rows, columns=cols))
+    fig = training.plot_learning_curves(pd.DataFrame(rows, columns=cols))
     color = {c.get_label(): c.lines[0].get_color() for c in fig.axes[0].containers}  # one per errorbar
     plt.close(fig)
     kv = tuple(drafter_color("kv-ttt", "kv"))

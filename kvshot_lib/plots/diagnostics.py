@@ -12,7 +12,15 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from .style import COLUMN, PAGE, PARADIGM_COLORS, REGIME_STYLES, drafter_color, finish_figure
+from .style import (
+    COLUMN,
+    PAGE,
+    PARADIGM_COLORS,
+    REGIME_STYLES,
+    drafter_color,
+    finish_figure,
+    shade_lookalikes,
+)
 
 BASELINE_LOOKS = {  # the estimates every drafter is compared with
     "stale": dict(color="0.35", ls="--"),
@@ -44,8 +52,16 @@ SINK = {"with_sink": "sink kept", "without_sink": "sink removed, renormalized"}
 CI = dict(errorbar=("ci", 95), n_boot=1000, seed=0)
 
 
-def _paradigms(table: pd.DataFrame) -> dict[str, str]:
-    return dict(table[["drafter", "paradigm"]].drop_duplicates("drafter").itertuples(index=False, name=None))
+def _looks(table: pd.DataFrame) -> dict[str, dict]:
+    """Each drafter's look: colour by paradigm, line by regime (the name's suffix: ``kv-tf`` is dotted,
+    ``kv-ttt`` solid), as in notebook 02's figures; a look-alike (``kv-ttt-tinit``) darker."""
+    pairs = table[["drafter", "paradigm"]].drop_duplicates("drafter").itertuples(index=False, name=None)
+    return shade_lookalikes(
+        {
+            n: dict(color=drafter_color(n, p), ls=REGIME_STYLES.get(n.rsplit("-", 1)[-1], "-"))
+            for n, p in pairs
+        }
+    )
 
 
 def _estimates(table: pd.DataFrame) -> pd.DataFrame:
@@ -56,20 +72,16 @@ def _estimates(table: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([own, base.assign(line=base["estimator"])], ignore_index=True)
 
 
-def _line_kw(line: str, paradigms: dict) -> dict:
-    """A baseline's look, or a drafter's: colour by paradigm, line by regime (the name's suffix: ``kv-tf`` is
-    dotted, ``kv-ttt`` solid), as in notebook 02's figures, so two drafters of one paradigm stay apart."""
-    if line in BASELINE_LOOKS:
-        return BASELINE_LOOKS[line]
-    regime = line.rsplit("-", 1)[-1]
-    return dict(color=drafter_color(line, paradigms.get(line)), ls=REGIME_STYLES.get(regime, "-"))
+def _line_kw(line: str, looks: dict) -> dict:
+    """A baseline's look, or a drafter's (:func:`_looks`), so that two drafters of one paradigm stay apart."""
+    return BASELINE_LOOKS.get(line) or looks[line]
 
 
 def plot_query_error_by_step(by_step: pd.DataFrame, metrics=("out_err", "kl_bits", "unavailable_mass")):
     """Error by draft step for each KV-reading drafter and the baselines, head level, with and without the
     sink; bands: 95% bootstrap intervals over sequences (a sequence's value averages its heads and anchors)."""
     d = _estimates(by_step[by_step["level"] == "head"] if "level" in by_step else by_step)
-    paradigms = _paradigms(by_step)
+    looks = _looks(by_step)
     fig, axes = plt.subplots(2, len(metrics), figsize=(PAGE, 4.4), sharex=True, squeeze=False)
     for r, variant in enumerate(("with_sink", "without_sink")):
         v = d[d["variant"] == variant]
@@ -79,7 +91,7 @@ def plot_query_error_by_step(by_step: pd.DataFrame, metrics=("out_err", "kl_bits
             for line in lines:
                 sub = v[v["line"] == line]
                 if sub[metric].notna().any():
-                    kw = _line_kw(line, paradigms)
+                    kw = _line_kw(line, looks)
                     sns.lineplot(
                         data=sub,
                         x="step",
@@ -108,7 +120,7 @@ def plot_query_error_by_head(by_head: pd.DataFrame, metric: str = "out_err"):
     """Mean error over draft steps, per target layer (columns) and query head, head level, sink kept."""
     d = by_head[(by_head["level"] == "head") & (by_head["variant"] == "with_sink")]
     d = _estimates(d)
-    paradigms = _paradigms(by_head)
+    looks = _looks(by_head)
     layers = sorted(d["layer"].unique())
     fig, axes = plt.subplots(1, len(layers), figsize=(PAGE, 2.5), sharey=True, squeeze=False)
     for ax, layer in zip(axes[0], layers):
@@ -116,14 +128,12 @@ def plot_query_error_by_head(by_head: pd.DataFrame, metric: str = "out_err"):
         for line in dict.fromkeys(sub["line"]):
             g = sub[sub["line"] == line].groupby("head")[metric].mean()
             if g.notna().any() and line != "oracle":
-                kw = _line_kw(line, paradigms)
+                kw = _line_kw(line, looks)
                 ax.plot(g.index, g.values, marker="o", label=line, color=kw["color"], ls=kw["ls"])
         matched = sub[(sub["estimator"] == "drafter") & sub["matched"].astype(bool)]
         for line, g in matched.groupby("drafter"):
             m = g.groupby("head")[metric].mean()
-            ax.scatter(
-                m.index, m.values, s=40, facecolors="none", edgecolors=_line_kw(line, paradigms)["color"]
-            )
+            ax.scatter(m.index, m.values, s=40, facecolors="none", edgecolors=_line_kw(line, looks)["color"])
         ax.set_title(f"target layer {layer}")
         ax.set_xlabel("target query head")
     axes[0][0].set_ylabel(ERROR_LABELS.get(metric, metric) + "\n(mean over steps)")

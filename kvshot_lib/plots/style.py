@@ -85,6 +85,19 @@ def drafter_color(name: str, paradigm: str | None = None):
     return PARADIGM_COLORS.get(paradigm_of(name, paradigm), (0.4, 0.4, 0.4))
 
 
+def shade_lookalikes(looks: dict[str, dict], factor: float = 0.6) -> dict[str, dict]:
+    """``looks`` (``{drafter: plot keywords}``, in drawing order) with every drafter that would look like an
+    earlier one (the same colour, line and alpha: e.g. ``kv-ttt-tinit`` beside ``kv-ttt``) in a darker shade
+    of its colour, ``factor`` per earlier look-alike. Changes and returns ``looks``."""
+    seen: dict[tuple, int] = {}
+    for kw in looks.values():
+        key = (tuple(kw["color"]), kw.get("ls"), kw.get("alpha"))
+        n = seen[key] = seen.get(key, -1) + 1
+        if n:
+            kw["color"] = tuple(c * factor**n for c in kw["color"])
+    return looks
+
+
 def finish_figure(fig, title: str | None = None, legend_from=None, integer_steps: bool = False, **legend):
     """The end of every figure: one legend right of the axes with ``legend_from``'s entries (an axis; ``legend``
     overrides its keywords), the ``title``, whole-number ticks on every x axis (``integer_steps``: draft steps,

@@ -12,7 +12,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.ticker import LogLocator, NullFormatter
 
-from .style import PAGE, REGIME_STYLES, drafter_color
+from .style import PAGE, REGIME_STYLES, drafter_color, shade_lookalikes
 
 _GROUP_PALETTE = sns.color_palette("colorblind", 10)
 GROUP_COLORS = {  # parameter groups (notebook 05); the K/V projections in the KV paradigm's colour
@@ -37,17 +37,8 @@ def _style(name: str, paradigm: str, regime: str, target_kv: str = "real") -> di
 
 
 def _styles(df: pd.DataFrame) -> dict[str, dict]:
-    """:func:`_style` of every drafter in ``df``; a later drafter that would look like an earlier one (the same
-    paradigm, regime and KV condition, e.g. ``kv-ttt-tinit`` beside ``kv-ttt``) is drawn in a darker shade."""
-    styles, seen = {}, {}
-    for name, *style in _drafters(df):
-        key = tuple(style)
-        styles[name] = _style(name, *style)
-        if seen.setdefault(key, 0):
-            dark = 0.6 ** seen[key]
-            styles[name]["color"] = tuple(c * dark for c in styles[name]["color"])
-        seen[key] += 1
-    return styles
+    """:func:`_style` of every drafter in ``df``, look-alikes told apart (:func:`~.style.shade_lookalikes`)."""
+    return shade_lookalikes({name: _style(name, *style) for name, *style in _drafters(df)})
 
 
 def wilson_interval(p, n, z: float = 1.96):
