@@ -70,7 +70,7 @@ def main() -> None:
             paired(by_step, a, b, m)
             for a, b in ((at_init, args.row), (args.row, args.against))
             for m in ("out_err", "kl_bits", "cosine")
-        ],  # fmt: skip
+        ],
         ignore_index=True,
     )
     summary = out[(out["step"] == -1) & (out["variant"] == "without_sink")]
