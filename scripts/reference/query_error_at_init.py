@@ -1,16 +1,17 @@
 """Notebook 04's query-estimation error of a target-initialized row *before* training, beside the trained rows.
 
-Row 7 of the reference run (``kv-ttt-tinit``) starts its attention from the target layer whose KV it reads, so
-its queries start in the target's key space. Whether training keeps them there is what this measures: the
-row's drafter at step 0 (rebuilt with the row's seed, then :func:`~kvshot_lib.drafters.init_attention_from_target`,
-as the training loop builds it) on the same MT-bench turns as notebook 04, and paired differences, on the
-same turns, between it, the trained row and another trained row (``--against``), read from notebook 04's
-``runs/<run>/results/query_error_by_step.csv``::
+Row 7 of the reference run (``kv-ttt-tinit``) starts its attention from the target layers whose KV it reads,
+meant to start its queries in the target's key space. Whether they start there, and where training takes them,
+is what this measures: the row's drafter at step 0 (rebuilt with the seed its checkpoint trained with, then
+:func:`~kvshot_lib.drafters.init_attention_from_target`, as the training loop builds it) on the same MT-bench
+turns as notebook 04, and paired differences, on the same turns, between it, the trained row and another
+trained row (``--against``), read from notebook 04's ``runs/<run>/results/query_error_by_step.csv``::
 
     python scripts/reference/query_error_at_init.py --row kv-ttt-tinit --against kv-ttt \\
         --out figures/reference/data/partial/kv-ttt-tinit_query_error.csv
 
-Prints the summary (all draft steps, per KV-head group, with and without the sink) and writes every step.
+Prints the summary (all draft steps, sink removed, per head and per KV-head group) and writes every step,
+variant and level.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def main() -> None:
 
     target = run.load_reference_target(plan, "cpu")
     row = load_drafter(run.checkpoint_path(plan, args.row), target)
-    start = build_drafter(copy.deepcopy(row.cfg), target, row.d2t.cpu(), seed=plan.seed)
+    start = build_drafter(
+        copy.deepcopy(row.cfg), target, row.d2t.cpu(), seed=row.cfg.extra["train_config"]["seed"]
+    )
     init_attention_from_target(start, target)
     e = plan.eval
     refs = acceptance.greedy_references(
