@@ -25,7 +25,7 @@ from kvshot_lib.evaluation import (
     generation_table,
     paired_mat_difference,
 )
-from kvshot_lib.reference import PlanError, load_plan
+from kvshot_lib.reference import PlanError, load_plan, tables
 from kvshot_lib.target import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "scripts" / "reference"))
@@ -170,7 +170,10 @@ def test_merge_replaces_rerun_rows_and_draws_the_figures(tmp_path):
     assert per_step[per_step.drafter == "hidden-ttt"].set_index("draft_step").loc[
         0, "accuracy"
     ] == pytest.approx(0.6)
-    assert len(pd.read_csv(data / "training_history.csv").query("drafter == 'hidden-ttt'")) == 3  # not 6
+    history = pd.read_csv(data / "training_history.csv")
+    assert len(history.query("drafter == 'hidden-ttt'")) == 3  # not 6
+    none = history.query("drafter == 'none-ttt'").set_index("step")["acc_0"]
+    assert none[1] == 0.066667 and none[2] == 0.13333  # 0.2 x 1/3 and x 2/3, kept to 5 significant digits
     assert set(rec["figures"]) == {"02_per_step_accuracy", "02_training_curves", "02_heldout_over_training"}
     table = pd.read_csv(data / "reference_table.csv").set_index("drafter")
     assert table.loc["hidden-ttt", "heldout_mat"] == pytest.approx(
@@ -261,3 +264,11 @@ def test_regeneration_archives_split_under_the_limit_and_reinstall(tmp_path):
     assert (
         merge.install_regenerated(tmp_path / "repo" / "data" / "reference" / "regenerated", fresh) == []
     )  # up to date
+
+
+def test_significant_rounds_float_columns_once():
+    df = pd.DataFrame(dict(step=[1, 2], loss=[150.11708068847656, 1e-05], acc=[0.0030864197530864196, 0.0]))
+    got = tables.significant(df, 5)
+    assert got["loss"].tolist() == [150.12, 1e-05] and got["acc"].tolist() == [0.0030864, 0.0]
+    assert got["step"].tolist() == [1, 2] and got["step"].dtype == df["step"].dtype  # integers untouched
+    pd.testing.assert_frame_equal(tables.significant(got, 5), got)  # rounding again changes nothing

@@ -48,6 +48,9 @@ KEYS = {
     "acceptance_generations.csv": ACCEPTANCE,
     "reference_jobs.csv": ["job", "started"],
 }
+# Per-optimizer-step logs, thousands of rows per drafter: kept to this many significant digits, in memory before they
+# are drawn and written, so that the committed table stays small and a redraw from it is byte-identical.
+ROUNDED = {"training_history.csv": 5}
 FIGURES = {
     "02_per_step_accuracy": ("per_step_accuracy.csv",),
     "02_training_curves": ("training_history.csv",),
@@ -223,6 +226,8 @@ def update_run(
     tables = {t: _read(data_dir, t) for t in KEYS}
     for t, df in new.items():
         tables[t] = replace_rows(tables[t], df, KEYS[t])
+    for t, digits in ROUNDED.items():
+        tables[t] = significant(tables[t], digits)
     tables.update(derived_tables(tables, getattr(plan, "comparisons", ())))
     written = []
     for t, df in tables.items():
@@ -233,6 +238,14 @@ def update_run(
         written.append(t)
     figures = _publish(plan, tables, results, root / "figures" / name) if draw else []
     return dict(tables=written, figures=figures)
+
+
+def significant(df: pd.DataFrame, digits: int) -> pd.DataFrame:
+    """``df`` with its float columns rounded to ``digits`` significant digits (rounding again changes nothing)."""
+    out = df.copy()
+    for c in out.select_dtypes("float").columns:
+        out[c] = out[c].map(lambda v: float(f"{v:.{digits}g}"))
+    return out
 
 
 def _read(folder: Path, name: str) -> pd.DataFrame:
