@@ -120,3 +120,22 @@ def test_bad_layers_and_missing_store_are_clear_errors(tiny_llama, split, tmp_pa
         )  # the last layer is post-norm
     with pytest.raises(FileNotFoundError, match="extract_features"):
         FeatureStore(tmp_path / "nothing")
+
+
+def test_a_finished_store_is_only_read(tiny_llama, split, tmp_path, monkeypatch):
+    """Reopening a complete store extracts nothing and writes nothing (its manifest keeps the machine that
+    extracted it), so two training runs can open one store at once; a stray ``.tmp`` of another run stays."""
+    store = extract_features(tiny_llama, split, out_dir=tmp_path, shard_tokens=150)
+    manifest = tmp_path / "manifest.json"
+    before = (manifest.read_bytes(), manifest.stat().st_mtime_ns)
+    (tmp_path / "manifest.json.tmp").write_text("another run's")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a finished store went through the target again")
+
+    monkeypatch.setattr(features, "_extract_sequence", refuse)
+    monkeypatch.setattr(features, "machine_record", lambda *a: dict(cpu="another machine"))
+    again = extract_features(tiny_llama, split, out_dir=tmp_path, shard_tokens=150)
+    assert (manifest.read_bytes(), manifest.stat().st_mtime_ns) == before
+    assert (tmp_path / "manifest.json.tmp").read_text() == "another run's"
+    assert again.manifest["content_hash"] == store.manifest["content_hash"]

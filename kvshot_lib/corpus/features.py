@@ -201,6 +201,10 @@ def extract_features(
             path = out / shard["file"]
             if path.is_file() and _sha256(path) == shard["sha256"]:
                 done.append(shard)
+        if old.get("complete") and len(done) == len(plan):  # nothing to do: a finished store is only read
+            return FeatureStore(
+                out
+            )  # (so runs sharing it can start together, and its manifest keeps its machine)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.tmp"):
         stale.unlink()
