@@ -201,10 +201,9 @@ def extract_features(
             path = out / shard["file"]
             if path.is_file() and _sha256(path) == shard["sha256"]:
                 done.append(shard)
-        if old.get("complete") and len(done) == len(plan):  # nothing to do: a finished store is only read
-            return FeatureStore(
-                out
-            )  # (so runs sharing it can start together, and its manifest keeps its machine)
+        # A finished store is only read: runs sharing it can start together, and it keeps its machine record.
+        if old.get("complete") and len(done) == len(plan):
+            return FeatureStore(out)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.tmp"):
         stale.unlink()
