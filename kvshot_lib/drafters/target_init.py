@@ -1,4 +1,4 @@
-"""Target initialization of the KV-only drafter's attention: its queries start in the target's key space.
+"""Target initialization of the KV-only drafter's attention: its projections start as the target's own.
 
 The paper names query estimation as the KV drafter's bottleneck: a shallow drafter must learn queries that
 find, in the target's cached keys, what the target's own queries would. :func:`init_attention_from_target`
@@ -15,6 +15,10 @@ layer and every target layer ``l`` whose KV it reads (injected heads ``l`` side 
   *are* the target's (``tests/test_target_init.py`` checks exactly that against captured queries).
 
 The MLP, the recency bias and the injector keep their own initialization.
+
+The drafter's input is its own, though, not the target layer's: on SmolLM2 the initialized drafter's queries have
+a cosine of 0.005 with the target's at step 0, and 0.276 once trained, against 0.290 for the same drafter
+trained from a random start (reference run, ``figures/reference/data/partial/kv-ttt-tinit_query_error.csv``).
 """
 
 from __future__ import annotations
