@@ -1,0 +1,75 @@
+"""The reference run's helper scripts (``scripts/reference/``) on hand-made inputs: the learning-curve points of a
+row that is still training, read from its saved state and compared at equal budgets with a committed row."""
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from kvshot_lib.target import REPO_ROOT
+
+SCRIPTS = REPO_ROOT / "scripts" / "reference"
+COMMITTED = REPO_ROOT / "figures" / "reference" / "data" / "learning_curves.csv"
+
+
+def fake_state(root, row, points):
+    """A row's saved training state (``runs/reference/drafters/<row>/state/trainer.json``) with ``points``
+    (budget_step, tokens, acc_0) logged as the loop logs its learning-curve points."""
+    state = root / "runs" / "reference" / "drafters" / row / "state"
+    state.mkdir(parents=True)
+    curve = [
+        dict(
+            **{f"acc_{k}": acc * 0.9**k for k in range(7)},
+            **{f"n_{k}": 20000 if k else 40000 for k in range(7)},
+            step=budget + 10, budget_step=budget, tokens=tokens,
+        )
+        for budget, tokens, acc in points
+    ]  # fmt: skip
+    meta = dict(
+        step=points[-1][0] + 40,
+        config=dict(mixed_precision="no", paradigm="hybrid", regime="ttt", target_kv="zeroed"),
+        logs=dict(curve=curve),
+    )
+    (state / "trainer.json").write_text(json.dumps(meta))
+
+
+def test_partial_curve_points_compare_a_saved_row_with_a_committed_one(tmp_path):
+    committed = pd.read_csv(COMMITTED)
+    hidden = committed[(committed["drafter"] == "hidden-ttt") & (committed["metric"] == "acc_0")]
+    first, second = hidden.sort_values("budget_step").iloc[:2].itertuples()
+    fake_state(
+        tmp_path,
+        "hybrid-ttt-zeroed",
+        [(first.budget_step, first.tokens, 0.25), (second.budget_step, second.tokens, 0.3)],
+    )
+    out = tmp_path / "partial" / "curve.csv"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "partial_curve_points.py"), "--rows", f"{tmp_path}:hybrid-ttt-zeroed",
+         "--against", "hidden-ttt", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "hybrid-ttt-zeroed: step 299 saved, 2 curve points" in done.stdout
+    points = pd.read_csv(out)
+    acc0 = points[points["metric"] == "acc_0"].set_index("budget_step")
+    assert acc0.loc[first.budget_step, "value"] == 0.25 and acc0.loc[second.budget_step, "value"] == 0.3
+    assert set(points["target_kv"]) == {"zeroed"} and set(points["precision"]) == {"fp32"}
+    gaps = pd.read_csv(out.with_name("curve_gaps.csv"))
+    gap = gaps[(gaps["metric"] == "acc_0") & (gaps["minus"] == "hidden-ttt")].set_index("budget_step")
+    assert list(gap.index) == [first.budget_step, second.budget_step]
+    assert gap.loc[first.budget_step, "gap"] == pytest.approx(0.25 - first.value)
+    assert gap.loc[second.budget_step, "gap"] == pytest.approx(0.3 - second.value)
+    se = (0.25 * 0.75 / 40000 + first.se**2) ** 0.5  # the two points' binomial errors, combined
+    assert gap.loc[first.budget_step, "hi"] - gap.loc[first.budget_step, "gap"] == pytest.approx(
+        1.96 * se, rel=1e-3
+    )
+
+
+def test_a_row_without_a_saved_state_is_refused(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "partial_curve_points.py"), "--rows", f"{tmp_path}:hybrid-ttt"],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert done.returncode != 0 and "no saved state for 'hybrid-ttt'" in done.stderr
