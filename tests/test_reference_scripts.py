@@ -30,7 +30,9 @@ def fake_state(root, row, points):
     meta = dict(
         step=points[-1][0] + 40,
         config=dict(mixed_precision="no", paradigm="hybrid", regime="ttt", target_kv="zeroed"),
-        logs=dict(curve=curve),
+        logs=dict(
+            curve=curve, eval=[dict(step=200, acc_0=0.21, n_0=40000), dict(step=400, acc_0=0.26, n_0=40000)]
+        ),
     )
     (state / "trainer.json").write_text(json.dumps(meta))
 
@@ -61,6 +63,12 @@ def test_partial_curve_points_compare_a_saved_row_with_a_committed_one(tmp_path)
     assert list(gap.index) == [first.budget_step, second.budget_step]
     assert gap.loc[first.budget_step, "gap"] == pytest.approx(0.25 - first.value)
     assert gap.loc[second.budget_step, "gap"] == pytest.approx(0.3 - second.value)
+    heldout = pd.read_csv(out.with_name("curve_heldout.csv"))
+    mine = heldout[heldout["drafter"] == "hybrid-ttt-zeroed"].set_index("step")["acc_0"]
+    assert mine.to_dict() == {200: 0.21, 400: 0.26}  # the saved row's evaluations, beside the committed row's
+    theirs = pd.read_csv(REPO_ROOT / "figures" / "reference" / "data" / "heldout_eval.csv")
+    theirs = theirs[theirs["drafter"] == "hidden-ttt"]
+    assert heldout[heldout["drafter"] == "hidden-ttt"]["acc_0"].tolist() == theirs["acc_0"].tolist()
     se = (0.25 * 0.75 / 40000 + first.se**2) ** 0.5  # the two points' binomial errors, combined
     assert gap.loc[first.budget_step, "hi"] - gap.loc[first.budget_step, "gap"] == pytest.approx(
         1.96 * se, rel=1e-3

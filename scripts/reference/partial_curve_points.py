@@ -15,8 +15,11 @@ A later stretch of a row whose control's state is gone keeps the control's point
 
 A row is ``NAME`` (trained in this checkout's ``runs/``) or ``ROOT:NAME`` (a run started with ``--root ROOT``,
 e.g. a control row trained beside a committed one of the same name).
-Prints the points and the gaps (:func:`~kvshot_lib.evaluation.gap_by_budget`, 95% normal intervals); a
-label ``row@here`` names a row trained on this machine whose name is also a committed row's.
+Prints the points and the gaps (:func:`~kvshot_lib.evaluation.gap_by_budget`, 95% normal intervals), then the
+held-out acc_0 of every evaluation so far (every ``eval_every`` steps, at the stable learning rate) beside the
+``--against`` rows' at the same steps; ``--out`` writes the three tables (``X.csv``, ``X_gaps.csv``,
+``X_heldout.csv``). A label ``row@here`` names a row trained on this machine whose name is also a committed
+row's.
 """
 
 from __future__ import annotations
@@ -32,22 +35,25 @@ from kvshot_lib.target import REPO_ROOT, machine_record, resolve_precision
 from kvshot_lib.training import read_train_state
 
 
-def saved_points(run_dir: Path, row: str, label: str) -> pd.DataFrame:
-    """The curve points row ``row`` has logged so far (its saved state), as a ``curve_table``."""
+def saved_points(run_dir: Path, row: str, label: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The curve points row ``row`` has logged so far (its saved state), as a ``curve_table``, and its held-out
+    evaluations so far (every ``eval_every`` steps, at the stable-phase learning rate)."""
     meta = read_train_state(run_dir / "drafters" / row)
     if meta is None:
         raise SystemExit(f"no saved state for {row!r} under {run_dir / 'drafters'}: is it training?")
     cfg = meta["config"]
     machine = machine_record(resolve_precision(cfg["mixed_precision"], "cpu"))  # a state is this machine's
-    curve = pd.DataFrame(meta["logs"]["curve"]).assign(
+    label_cols = dict(
         drafter=label,
         paradigm=cfg["paradigm"],
         regime=cfg["regime"],
         target_kv=cfg.get("target_kv", "real"),
         **{k: machine.get(k) for k in ("precision", "cpu", "bf16_isa")},
     )
-    print(f"{label}: step {meta['step']} saved, {len(curve)} curve points")
-    return curve_table(curve)
+    curve = pd.DataFrame(meta["logs"]["curve"]).assign(**label_cols)
+    evals = pd.DataFrame(meta["logs"].get("eval", [])).assign(**label_cols)
+    print(f"{label}: step {meta['step']} saved, {len(curve)} curve points, {len(evals)} held-out evaluations")
+    return curve_table(curve), evals
 
 
 def main() -> None:
@@ -63,13 +69,14 @@ def main() -> None:
     )
     args = ap.parse_args()
     plan = load_plan(args.run)
-    committed = pd.read_csv(REPO_ROOT / "figures" / plan.run_name / "data" / "learning_curves.csv")
+    data = REPO_ROOT / "figures" / plan.run_name / "data"
+    committed = pd.read_csv(data / "learning_curves.csv")
     where = {r.rpartition(":")[2]: Path(r.rpartition(":")[0] or REPO_ROOT) for r in args.rows}
     labels = {r: (f"{r}@here" if r in set(committed["drafter"]) else r) for r in where}
-    here = pd.concat(
-        [saved_points(root / "runs" / plan.run_name, r, labels[r]) for r, root in where.items()],
-        ignore_index=True,
-    )
+    saved = [saved_points(root / "runs" / plan.run_name, r, labels[r]) for r, root in where.items()]
+    here = pd.concat([points for points, _ in saved], ignore_index=True)
+    heldout = pd.read_csv(data / "heldout_eval.csv")
+    heldout = pd.concat([evals for _, evals in saved] + [heldout[heldout["drafter"].isin(args.against)]])
     if args.keep:
         kept = pd.read_csv(args.keep)
         here = pd.concat([here, kept[~kept["drafter"].isin(here["drafter"])]], ignore_index=True)
@@ -85,11 +92,15 @@ def main() -> None:
             index=False, float_format="%+.4f"
         )
     )
+    acc0 = heldout.pivot_table(index="step", columns="drafter", values="acc_0")
+    last = heldout.loc[heldout["drafter"].isin(names), "step"].max()  # as far as the saved rows have come
+    print(acc0[acc0.index <= last].to_string(float_format="%.4f"))
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         here.to_csv(out, index=False)
         gaps.to_csv(out.with_name(out.stem + "_gaps.csv"), index=False)
+        heldout.to_csv(out.with_name(out.stem + "_heldout.csv"), index=False)
 
 
 if __name__ == "__main__":
