@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -211,6 +212,19 @@ def test_bootstrap_point_values_match_the_summary_and_lie_in_the_interval():
     for m in ("alpha_0", "alpha_6", "mat", "retention"):
         assert boot.loc[m, "lo"] <= boot.loc[m, "value"] <= boot.loc[m, "hi"]
         assert boot.loc[m, "lo"] < boot.loc[m, "hi"]
+
+
+def test_retention_below_the_attempt_minimum_has_no_value_and_no_interval():
+    # 15 + 4 = 19 pooled attempts at step 6, one short of the minimum; a resample drawing the first generation
+    # twice has 30, so without the guard the interval would come from such resamples alone
+    results = [
+        FakeResult([40] * 6 + [15], [30] * 6 + [10], [2] * 10),
+        FakeResult([40] * 6 + [4], [30] * 6 + [2], [2] * 10),
+    ]
+    run = AcceptanceRun("d", "hidden", "ttt", "chain", 0.0, results)
+    boot = bootstrap_acceptance([run], n_boot=200).set_index("metric")
+    assert np.isnan(boot.loc["retention", ["value", "lo", "hi"]].astype(float)).all()
+    assert not np.isnan(boot.loc["alpha_6", ["value", "lo", "hi"]].astype(float)).any()
 
 
 def test_paired_mat_difference_is_the_difference_of_pooled_mats_and_cancels_what_turns_share():

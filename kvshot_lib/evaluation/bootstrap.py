@@ -99,7 +99,10 @@ def bootstrap_acceptance(runs, n_boot: int = 1000, seed: int = 0, steps: int = 7
         )  # [n_boot, metrics]
         for j, name in enumerate(names):
             col = draws[:, j][~np.isnan(draws[:, j])]
-            lo, hi = np.percentile(col, [2.5, 97.5]).tolist() if len(col) else (math.nan, math.nan)
+            # no interval around an undefined value (retention on < MIN_ATTEMPTS pooled attempts), even where
+            # some resamples happen to reach the minimum
+            defined = len(col) and not math.isnan(point[j])
+            lo, hi = np.percentile(col, [2.5, 97.5]).tolist() if defined else (math.nan, math.nan)
             rows.append(dict(**run.labels(), metric=name, value=point[j], lo=lo, hi=hi, n_generations=G))
     return pd.DataFrame(rows)
 
