@@ -81,3 +81,39 @@ def test_a_row_without_a_saved_state_is_refused(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
     )  # fmt: skip
     assert done.returncode != 0 and "no saved state for 'hybrid-ttt'" in done.stderr
+
+
+def test_query_error_at_init_pairs_two_drafters_on_the_same_turns():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("query_error_at_init", SCRIPTS / "query_error_at_init.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    # out_err of drafters a, b and c on three turns x two draft steps, and the stale query's (which the pairing
+    # must leave out: it compares a with b, not either with the stale query)
+    values = {"a": [[1.0, 2.0], [3.0, 5.0], [2.0, 2.0]], "b": [[0.5, 1.0], [1.0, 1.0], [2.0, 3.0]]}
+    values["c"] = [[9.0, 9.0]] * 3
+    rows = [
+        dict(
+            drafter=d,
+            estimator=est,
+            level="layer",
+            variant="without_sink",
+            sequence=s,
+            step=k,
+            out_err=v + shift,
+        )
+        for d, grid in values.items()
+        for est, shift in (("drafter", 0.0), ("stale", -7.0))
+        for s, per_step in enumerate(grid)
+        for k, v in enumerate(per_step)
+    ]
+    got = script.paired(pd.DataFrame(rows), "a", "b", "out_err").set_index("step")
+    # by hand: a - b per turn and step is (0.5, 1), (2, 4), (0, -1); the mean over turns per step and overall
+    assert got.loc[0, "diff"] == pytest.approx((0.5 + 2 + 0) / 3)
+    assert got.loc[1, "diff"] == pytest.approx((1 + 4 - 1) / 3)
+    assert got.loc[-1, "diff"] == pytest.approx((0.75 + 3 - 0.5) / 3)
+    assert got.loc[-1, "drafter_mean"] == pytest.approx(15 / 6) and got.loc[
+        -1, "stale_mean"
+    ] == pytest.approx(8.5 / 6)
+    assert set(got["drafter"]) == {"a - b"} and set(got["metric"]) == {"out_err"}
