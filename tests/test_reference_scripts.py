@@ -75,6 +75,38 @@ def test_partial_curve_points_compare_a_saved_row_with_a_committed_one(tmp_path)
     )
 
 
+def test_keep_carries_a_stopped_rows_points_and_heldout_evaluations(tmp_path):
+    committed = pd.read_csv(COMMITTED).query("drafter == 'hidden-ttt' and metric == 'acc_0'")
+    budget = committed.sort_values("budget_step").iloc[0]
+    first = tmp_path / "first" / "curve.csv"
+    fake_state(tmp_path / "a", "hybrid-ttt-zeroed", [(int(budget.budget_step), int(budget.tokens), 0.25)])
+    fake_state(tmp_path / "b", "hybrid-ttt", [(int(budget.budget_step), int(budget.tokens), 0.27)])
+    script = [sys.executable, str(SCRIPTS / "partial_curve_points.py"), "--against", "hidden-ttt"]
+    for rows, out, keep in (
+        ([f"{tmp_path / 'a'}:hybrid-ttt-zeroed"], first, []),
+        ([f"{tmp_path / 'b'}:hybrid-ttt"], tmp_path / "second" / "curve.csv", ["--keep", str(first)]),
+    ):
+        done = subprocess.run(
+            [*script, "--rows", *rows, "--out", str(out), *keep],
+            capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+    second = tmp_path / "second"
+    points = pd.read_csv(second / "curve.csv").query("metric == 'acc_0'").set_index("drafter")["value"]
+    assert points.to_dict() == {"hybrid-ttt": 0.27, "hybrid-ttt-zeroed": 0.25}
+    heldout = pd.read_csv(second / "curve_heldout.csv")
+    for row in ("hybrid-ttt", "hybrid-ttt-zeroed"):  # the stopped row's evaluations, from the first table
+        assert heldout[heldout["drafter"] == row].set_index("step")["acc_0"].to_dict() == {
+            200: 0.21,
+            400: 0.26,
+        }
+    committed = pd.read_csv(REPO_ROOT / "figures" / "reference" / "data" / "heldout_eval.csv")
+    assert (heldout["drafter"] == "hidden-ttt").sum() == (committed["drafter"] == "hidden-ttt").sum()  # once
+    gaps = pd.read_csv(second / "curve_gaps.csv").query("metric == 'acc_0'")
+    pair = gaps[(gaps["drafter"] == "hybrid-ttt") & (gaps["minus"] == "hybrid-ttt-zeroed")]
+    assert pair["gap"].tolist() == [pytest.approx(0.02)]
+
+
 def test_a_row_without_a_saved_state_is_refused(tmp_path):
     done = subprocess.run(
         [sys.executable, str(SCRIPTS / "partial_curve_points.py"), "--rows", f"{tmp_path}:hybrid-ttt"],

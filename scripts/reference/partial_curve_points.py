@@ -10,8 +10,9 @@ with any other row, saved or committed (``figures/<run>/data/learning_curves.csv
     python scripts/reference/partial_curve_points.py --rows kv-ttt-tinit /tmp/ctl:kv-ttt --against kv-ttt \
         --out figures/reference/data/partial/kv-ttt-tinit_curve.csv
 
-A later stretch of a row whose control's state is gone keeps the control's points from the earlier table
-(``--keep figures/reference/data/partial/kv-ttt-tinit_curve.csv``).
+A later stretch of a row whose control's state is gone keeps the control's points and held-out evaluations
+from the earlier tables (``--keep figures/reference/data/partial/kv-ttt-tinit_curve.csv``, and the
+``_heldout.csv`` beside it).
 
 A row is ``NAME`` (trained in this checkout's ``runs/``) or ``ROOT:NAME`` (a run started with ``--root ROOT``,
 e.g. a control row trained beside a committed one of the same name).
@@ -78,8 +79,13 @@ def main() -> None:
     heldout = pd.read_csv(data / "heldout_eval.csv")
     heldout = pd.concat([evals for _, evals in saved] + [heldout[heldout["drafter"].isin(args.against)]])
     if args.keep:
-        kept = pd.read_csv(args.keep)
+        keep = Path(args.keep)
+        kept = pd.read_csv(keep)
         here = pd.concat([here, kept[~kept["drafter"].isin(here["drafter"])]], ignore_index=True)
+        kept_evals = keep.with_name(keep.stem + "_heldout.csv")
+        if kept_evals.is_file():
+            kept_evals = pd.read_csv(kept_evals)
+            heldout = pd.concat([heldout, kept_evals[~kept_evals["drafter"].isin(heldout["drafter"])]])
     names = list(here["drafter"].unique())
     table = pd.concat([here, committed[committed["drafter"].isin(args.against)]], ignore_index=True)
     pairs = [("partial", a, b) for a in names for b in args.against]
@@ -87,11 +93,11 @@ def main() -> None:
     gaps = gap_by_budget(table, pairs)
     cols = ["drafter", "budget_step", "tokens", "metric", "value", "lo", "hi", "precision", "bf16_isa"]
     print(table[cols].to_string(index=False, float_format="%.4f"))
-    print(
-        gaps[["drafter", "minus", "metric", "tokens", "gap", "lo", "hi"]].to_string(
-            index=False, float_format="%+.4f"
-        )
-    )
+    if gaps.empty:
+        print("no budget in common with the rows compared: no gaps yet")
+    else:
+        gap_cols = ["drafter", "minus", "metric", "tokens", "gap", "lo", "hi"]
+        print(gaps[gap_cols].to_string(index=False, float_format="%+.4f"))
     acc0 = heldout.pivot_table(index="step", columns="drafter", values="acc_0")
     last = heldout.loc[heldout["drafter"].isin(names), "step"].max()  # as far as the saved rows have come
     print(acc0[acc0.index <= last].to_string(float_format="%.4f"))
