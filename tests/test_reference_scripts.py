@@ -116,11 +116,9 @@ def test_a_row_without_a_saved_state_is_refused(tmp_path):
 
 
 def test_query_error_at_init_pairs_two_drafters_on_the_same_turns():
-    import importlib.util
+    sys.path.insert(0, str(SCRIPTS))  # as test_reference_driver imports the transport beside it
+    import query_error_at_init
 
-    spec = importlib.util.spec_from_file_location("query_error_at_init", SCRIPTS / "query_error_at_init.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     # out_err of drafters a, b and c on three turns x two draft steps, and the stale query's (which the pairing
     # must leave out: it compares a with b, not either with the stale query)
     values = {"a": [[1.0, 2.0], [3.0, 5.0], [2.0, 2.0]], "b": [[0.5, 1.0], [1.0, 1.0], [2.0, 3.0]]}
@@ -140,12 +138,11 @@ def test_query_error_at_init_pairs_two_drafters_on_the_same_turns():
         for s, per_step in enumerate(grid)
         for k, v in enumerate(per_step)
     ]
-    got = script.paired(pd.DataFrame(rows), "a", "b", "out_err").set_index("step")
+    got = query_error_at_init.paired(pd.DataFrame(rows), "a", "b", "out_err").set_index("step")
     # by hand: a - b per turn and step is (0.5, 1), (2, 4), (0, -1); the mean over turns per step and overall
     assert got.loc[0, "diff"] == pytest.approx((0.5 + 2 + 0) / 3)
     assert got.loc[1, "diff"] == pytest.approx((1 + 4 - 1) / 3)
     assert got.loc[-1, "diff"] == pytest.approx((0.75 + 3 - 0.5) / 3)
-    assert got.loc[-1, "drafter_mean"] == pytest.approx(15 / 6) and got.loc[
-        -1, "stale_mean"
-    ] == pytest.approx(8.5 / 6)
+    assert got.loc[-1, "drafter_mean"] == pytest.approx(15 / 6)  # a's mean, the "drafter" side
+    assert got.loc[-1, "stale_mean"] == pytest.approx(8.5 / 6)  # b's mean, the baseline side
     assert set(got["drafter"]) == {"a - b"} and set(got["metric"]) == {"out_err"}

@@ -57,6 +57,16 @@ def saved_points(run_dir: Path, row: str, label: str) -> tuple[pd.DataFrame, pd.
     return curve_table(curve), evals
 
 
+def beside(table: Path, name: str) -> Path:
+    """The table written beside an ``--out`` table ``X.csv``: ``X_<name>.csv``."""
+    return table.with_name(f"{table.stem}_{name}.csv")
+
+
+def with_new_drafters(df: pd.DataFrame, earlier: pd.DataFrame) -> pd.DataFrame:
+    """``df`` and the rows of ``earlier`` whose drafter ``df`` does not have."""
+    return pd.concat([df, earlier[~earlier["drafter"].isin(df["drafter"])]], ignore_index=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", default="reference")
@@ -80,12 +90,9 @@ def main() -> None:
     heldout = pd.concat([evals for _, evals in saved] + [heldout[heldout["drafter"].isin(args.against)]])
     if args.keep:
         keep = Path(args.keep)
-        kept = pd.read_csv(keep)
-        here = pd.concat([here, kept[~kept["drafter"].isin(here["drafter"])]], ignore_index=True)
-        kept_evals = keep.with_name(keep.stem + "_heldout.csv")
-        if kept_evals.is_file():
-            kept_evals = pd.read_csv(kept_evals)
-            heldout = pd.concat([heldout, kept_evals[~kept_evals["drafter"].isin(heldout["drafter"])]])
+        here = with_new_drafters(here, pd.read_csv(keep))
+        if beside(keep, "heldout").is_file():
+            heldout = with_new_drafters(heldout, pd.read_csv(beside(keep, "heldout")))
     names = list(here["drafter"].unique())
     table = pd.concat([here, committed[committed["drafter"].isin(args.against)]], ignore_index=True)
     pairs = [("partial", a, b) for a in names for b in args.against]
@@ -105,8 +112,8 @@ def main() -> None:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         here.to_csv(out, index=False)
-        gaps.to_csv(out.with_name(out.stem + "_gaps.csv"), index=False)
-        heldout.to_csv(out.with_name(out.stem + "_heldout.csv"), index=False)
+        gaps.to_csv(beside(out, "gaps"), index=False)
+        heldout.to_csv(beside(out, "heldout"), index=False)
 
 
 if __name__ == "__main__":
