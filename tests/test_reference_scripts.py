@@ -14,6 +14,11 @@ SCRIPTS = REPO_ROOT / "scripts" / "reference"
 COMMITTED = REPO_ROOT / "figures" / "reference" / "data" / "learning_curves.csv"
 
 
+def label(row):
+    """The script's name for a row saved on this machine: ``row@here`` once a committed row has that name."""
+    return f"{row}@here" if row in set(pd.read_csv(COMMITTED)["drafter"]) else row
+
+
 def fake_state(root, row, points):
     """A row's saved training state (``runs/reference/drafters/<row>/state/trainer.json``) with ``points``
     (budget_step, tokens, acc_0) logged as the loop logs its learning-curve points."""
@@ -53,7 +58,7 @@ def test_partial_curve_points_compare_a_saved_row_with_a_committed_one(tmp_path)
         capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "hybrid-ttt-zeroed: step 299 saved, 2 curve points" in done.stdout
+    assert f"{label('hybrid-ttt-zeroed')}: step 299 saved, 2 curve points" in done.stdout
     points = pd.read_csv(out)
     acc0 = points[points["metric"] == "acc_0"].set_index("budget_step")
     assert acc0.loc[first.budget_step, "value"] == 0.25 and acc0.loc[second.budget_step, "value"] == 0.3
@@ -64,7 +69,7 @@ def test_partial_curve_points_compare_a_saved_row_with_a_committed_one(tmp_path)
     assert gap.loc[first.budget_step, "gap"] == pytest.approx(0.25 - first.value)
     assert gap.loc[second.budget_step, "gap"] == pytest.approx(0.3 - second.value)
     heldout = pd.read_csv(out.with_name("curve_heldout.csv"))
-    mine = heldout[heldout["drafter"] == "hybrid-ttt-zeroed"].set_index("step")["acc_0"]
+    mine = heldout[heldout["drafter"] == label("hybrid-ttt-zeroed")].set_index("step")["acc_0"]
     assert mine.to_dict() == {200: 0.21, 400: 0.26}  # the saved row's evaluations, beside the committed row's
     theirs = pd.read_csv(REPO_ROOT / "figures" / "reference" / "data" / "heldout_eval.csv")
     theirs = theirs[theirs["drafter"] == "hidden-ttt"]
@@ -93,9 +98,9 @@ def test_keep_carries_a_stopped_rows_points_and_heldout_evaluations(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
     second = tmp_path / "second"
     points = pd.read_csv(second / "curve.csv").query("metric == 'acc_0'").set_index("drafter")["value"]
-    assert points.to_dict() == {"hybrid-ttt": 0.27, "hybrid-ttt-zeroed": 0.25}
+    assert points.to_dict() == {label("hybrid-ttt"): 0.27, label("hybrid-ttt-zeroed"): 0.25}
     heldout = pd.read_csv(second / "curve_heldout.csv")
-    for row in ("hybrid-ttt", "hybrid-ttt-zeroed"):  # the stopped row's evaluations, from the first table
+    for row in (label("hybrid-ttt"), label("hybrid-ttt-zeroed")):  # the stopped row's, from the first table
         assert heldout[heldout["drafter"] == row].set_index("step")["acc_0"].to_dict() == {
             200: 0.21,
             400: 0.26,
@@ -103,8 +108,10 @@ def test_keep_carries_a_stopped_rows_points_and_heldout_evaluations(tmp_path):
     committed = pd.read_csv(REPO_ROOT / "figures" / "reference" / "data" / "heldout_eval.csv")
     assert (heldout["drafter"] == "hidden-ttt").sum() == (committed["drafter"] == "hidden-ttt").sum()  # once
     gaps = pd.read_csv(second / "curve_gaps.csv").query("metric == 'acc_0'")
-    pair = gaps[(gaps["drafter"] == "hybrid-ttt") & (gaps["minus"] == "hybrid-ttt-zeroed")]
-    assert pair["gap"].tolist() == [pytest.approx(0.02)]
+    hybrid, zeroed = label("hybrid-ttt"), label("hybrid-ttt-zeroed")
+    pair = gaps[gaps["drafter"].isin([hybrid, zeroed]) & gaps["minus"].isin([hybrid, zeroed])]
+    sign = pair["drafter"].map({hybrid: 1.0, zeroed: -1.0})  # the pair is named in either order
+    assert (pair["gap"] * sign).tolist() == [pytest.approx(0.02)]
 
 
 def test_a_row_without_a_saved_state_is_refused(tmp_path):
