@@ -345,11 +345,16 @@ def test_partial_cache_refresh_selects_top_blocks(llama):
     positions 32 + 16 b .. 47 + 16 b, b = 0..10, of which R = 2 are kept."""
     model = llama.model
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([long_prompt(250)]), past_key_values=cache, use_cache=True)
+    model(
+        input_ids=torch.tensor([long_prompt(250)], device=model.device), past_key_values=cache, use_cache=True
+    )
     cfg = PartialKVConfig(**SMALL)
     g = torch.Generator().manual_seed(0)
     H, D = model.config.num_attention_heads, model.config.head_dim
-    queries = {li: torch.randn(1, H, 3, D, generator=g) for li in range(model.config.num_hidden_layers)}
+    queries = {
+        li: torch.randn(1, H, 3, D, generator=g).to(model.device)
+        for li in range(model.config.num_hidden_layers)
+    }
     partial = PartialKVCache(cfg)
     partial.refresh(cache, queries, model.config)
     lay = layout(250, cfg)

@@ -42,7 +42,7 @@ def target_reader(target, name: str):
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in d.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+            p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.device))  # the same draws on any device
     return d.eval()
 
 
