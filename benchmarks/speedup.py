@@ -11,6 +11,8 @@ Reports, on this machine, in one run:
 Prints and saves ``benchmarks/results/speedup_<machine>[_<dtype>][_4bit].json``. Usage:
     python benchmarks/speedup.py [--n-questions 3] [--turns 2] [--max-new-tokens 64] [--threads 1]
     python benchmarks/speedup.py --device cuda --dtype bfloat16 [--load-in-4bit]   # on a GPU
+    python benchmarks/speedup.py --run-dir none --drafters ngram --tag reference \
+        --checkpoints checkpoints/reference/hidden-ttt checkpoints/reference/hybrid-ttt   # committed drafters
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, small_batch_linear
-from kvshot_lib.drafters import drafters_for_run
+from kvshot_lib.drafters import drafters_for_run, resolve_drafter
 from kvshot_lib.evaluation import speedup
 from kvshot_lib.target import load_target
 
@@ -74,7 +76,11 @@ def block_costs(model, prompt: list[int], ks=(1, 2, 3, 4, 5, 8, 16, 32), reps: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--run-dir", default="runs/default", help="where notebook 02 left trained drafters")
+    ap.add_argument(
+        "--run-dir", default="runs/default", help="where notebook 02 left trained drafters ('none')"
+    )
+    ap.add_argument("--checkpoints", nargs="*", default=[], help="more trained drafters: checkpoint folders")
+    ap.add_argument("--tag", default="", help="appended to the results file's name")
     ap.add_argument("--drafters", nargs="+", default=["ngram", "self"], help="baseline drafters")
     ap.add_argument("--n-questions", type=int, default=3, help="MT-bench questions")
     ap.add_argument("--turns", type=int, default=2, choices=(1, 2))
@@ -88,11 +94,22 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
     ap.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes 4-bit target (CUDA only)")
     args = ap.parse_args()
+    bad = [c for c in args.checkpoints if not (Path(c) / "config.json").is_file()]
+    if bad:
+        raise SystemExit(f"speedup.py: not a drafter checkpoint folder (no config.json): {', '.join(bad)}")
     if args.threads:
         torch.set_num_threads(args.threads)
 
     tgt = load_target(args.target, device=args.device, dtype=args.dtype, load_in_4bit=args.load_in_4bit)
-    drafters, note = drafters_for_run(args.run_dir, tgt, args.drafters)
+    if args.run_dir == "none":
+        drafters, note = (
+            {b: resolve_drafter(b, tgt) for b in args.drafters},
+            f"Baselines: {', '.join(args.drafters)}.",
+        )
+    else:
+        drafters, note = drafters_for_run(args.run_dir, tgt, args.drafters)
+    drafters.update({Path(c).name: resolve_drafter(c, tgt) for c in args.checkpoints})
+    note += f" Checkpoints: {', '.join(args.checkpoints)}." if args.checkpoints else ""
     print(note)
     prompts = speedup.mtbench_first_turns(tgt.tokenizer, 1)
     machine = speedup.machine_info()
@@ -152,6 +169,7 @@ def main() -> None:
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     suffix = ("" if args.dtype == "float32" else f"_{args.dtype}") + ("_4bit" if args.load_in_4bit else "")
+    suffix += f"_{args.tag}" if args.tag else ""
     path = RESULTS / f"speedup_{speedup.machine_name(machine)}{suffix}.json"
     path.write_text(
         json.dumps(
