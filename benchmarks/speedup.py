@@ -101,13 +101,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     tgt = load_target(args.target, device=args.device, dtype=args.dtype, load_in_4bit=args.load_in_4bit)
-    if args.run_dir == "none":
-        drafters, note = (
-            {b: resolve_drafter(b, tgt) for b in args.drafters},
-            f"Baselines: {', '.join(args.drafters)}.",
-        )
-    else:
-        drafters, note = drafters_for_run(args.run_dir, tgt, args.drafters)
+    drafters, note = drafters_for_run(None if args.run_dir == "none" else args.run_dir, tgt, args.drafters)
     drafters.update({Path(c).name: resolve_drafter(c, tgt) for c in args.checkpoints})
     note += f" Checkpoints: {', '.join(args.checkpoints)}." if args.checkpoints else ""
     print(note)

@@ -58,6 +58,13 @@ def test_greedy_replay_reproduces_the_engine_cycle_for_cycle(llama):
                 assert _counts(replay) == _counts(engine), f"{name} {mode}"
 
 
+def test_drafters_for_run_without_a_run_dir_gives_only_the_named_baselines(llama):
+    drafters, note = drafters_for_run(None, llama, ["ngram"])
+    assert list(drafters) == ["ngram"] and note == "Baselines: ngram."
+    with pytest.raises(ValueError, match="Unknown baseline drafters"):
+        drafters_for_run(None, llama, ["ngram", "bogus"])  # still checked without a run
+
+
 def test_mtbench_runs_and_tables(llama):
     drafters, note = drafters_for_run("/nonexistent-run-dir", llama, ["ngram", "random"])
     assert "No trained drafters" in note and list(drafters) == ["ngram", "random"]
