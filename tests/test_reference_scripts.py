@@ -114,6 +114,47 @@ def test_keep_carries_a_stopped_rows_points_and_heldout_evaluations(tmp_path):
     assert (pair["gap"] * sign).tolist() == [pytest.approx(0.02)]
 
 
+def test_stopped_rows_are_tabled_with_their_saved_step_and_drawn_beside_the_finished_ones(tmp_path):
+    from kvshot_lib.plots import FIGURES, load_tables, training
+
+    committed = pd.read_csv(COMMITTED)
+    budget = committed.query("drafter == 'hidden-ttt'").sort_values("budget_step").iloc[0]
+    fake_state(tmp_path, "hybrid-ttt-zeroed", [(int(budget.budget_step), int(budget.tokens), 0.25)])
+    stopped = tmp_path / "stopped_curves.csv"
+    stopped.write_text("drafter,metric,value\nblock-kv,acc_0,0.3\n")  # an earlier stopped row is kept
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "partial_curve_points.py"), "--rows", f"{tmp_path}:hybrid-ttt-zeroed",
+         "--stopped", str(stopped)],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = pd.read_csv(stopped)
+    mine = table[table["drafter"] == label("hybrid-ttt-zeroed")]
+    assert set(mine["saved_step"]) == {int(budget.budget_step) + 40}  # the step the state was saved at
+    assert mine.set_index("metric").loc["acc_0", "value"] == 0.25
+    assert table.query("drafter == 'block-kv'")["value"].tolist() == [0.3]
+    mine = mine.assign(train_steps=4150)
+    counts = FIGURES["02_learning_curves"].counts(
+        {"learning_curves.csv": committed, "stopped_curves.csv": mine}
+    )
+    assert counts.endswith(
+        f"stopped: {label('hybrid-ttt-zeroed')} at step {int(budget.budget_step) + 40:,} of 4,150 "
+        f"(last point {budget.tokens / 1e6:.1f}M token-passes)"
+    )
+    # a stopped row is drawn as "<row> (stopped)"; once the finished rows hold it, only theirs is drawn
+    extra = mine.assign(drafter="extra-row")
+    fig = training.plot_learning_curves(
+        committed, None, pd.concat([extra, committed.query("drafter == 'kv-ttt'")])
+    )
+    labels = fig.legends[0].get_texts()
+    assert [t.get_text() for t in labels].count("extra-row (stopped)") == 1
+    assert "kv-ttt (stopped)" not in [t.get_text() for t in labels]
+    # the reference run's stopped row (block-kv) is read beside its learning curves where its table is present
+    tables = load_tables("02_learning_curves", REPO_ROOT / "figures" / "reference" / "data")
+    assert set(tables["stopped_curves.csv"]["drafter"]) == {"block-kv"}
+    assert "stopped: block-kv at step 2,100 of 4,150" in FIGURES["02_learning_curves"].counts(tables)
+
+
 def test_a_row_without_a_saved_state_is_refused(tmp_path):
     done = subprocess.run(
         [sys.executable, str(SCRIPTS / "partial_curve_points.py"), "--rows", f"{tmp_path}:hybrid-ttt"],

@@ -55,7 +55,8 @@ def _read(path: Path, spec: FigureSpec, table: str):
 def load_tables(name: str, data_dir: str | Path) -> dict:
     """The tables of figure ``name`` from ``data_dir``, checked: {file name: DataFrame or dict}."""
     spec = _spec(name)
-    return {table: _read(Path(data_dir) / table, spec, table) for table in spec.tables}
+    present = [t for t in spec.optional if (Path(data_dir) / t).is_file()]
+    return {table: _read(Path(data_dir) / table, spec, table) for table in (*spec.tables, *present)}
 
 
 def _spec(name: str) -> FigureSpec:
@@ -84,7 +85,7 @@ def publish(name: str, results_dir: str | Path, figure_dir: str | Path, context:
     spec = _spec(name)
     data_dir = Path(figure_dir) / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
-    for table in spec.tables:
+    for table in (*spec.tables, *(t for t in spec.optional if (Path(results_dir) / t).is_file())):
         src = Path(results_dir) / table
         _read(src, spec, table)  # a clear error before anything is copied
         shutil.copyfile(src, data_dir / table)

@@ -22,6 +22,7 @@ class FigureSpec:
     draw: Callable[[dict], object]  # tables -> matplotlib figure
     columns: dict  # table -> columns the drawing needs
     counts: Callable[[dict], str] = lambda t: ""  # tables -> "what each point averages"
+    optional: tuple[str, ...] = ()  # tables read (and kept beside the figure) where they are present
 
 
 def _n_range(values) -> str:
@@ -49,6 +50,25 @@ def _speedup_counts(t):
     if reps > 1:
         return f"each point: {prompts}, median of {reps} interleaved repetitions on {machine} (bars: min-max)"
     return f"each point: {prompts}, one run on {machine}"
+
+
+def _curve_counts(t):
+    counts = (
+        f"{_n_range(t['learning_curves.csv'].groupby('drafter')['tokens'].nunique())} budgets per drafter, "
+        "each after a WSD decay branch "
+        "(warmup-stable-decay; the last point is the run's own decay); bars: 95% intervals (Wilson; MAT: "
+        "parametric bootstrap)"
+    )
+    stopped = t.get("stopped_curves.csv")
+    if stopped is None:
+        return counts
+    last = stopped[~stopped["drafter"].isin(t["learning_curves.csv"]["drafter"])]
+    last = last.sort_values("tokens").groupby("drafter").last()
+    return f"{counts}; stopped: " + ", ".join(
+        f"{name} at step {int(r['saved_step']):,} of {int(r['train_steps']):,} "
+        f"(last point {r['tokens'] / 1e6:.1f}M token-passes)"
+        for name, r in last.iterrows()
+    )
 
 
 def _specpv_counts(t):
@@ -154,17 +174,29 @@ SPECS = [
         "02_learning_curves",
         "02_train_drafters",
         ("learning_curves.csv", "curve_asymptotes.csv"),
-        lambda t: training.plot_learning_curves(t["learning_curves.csv"], t["curve_asymptotes.csv"]),
+        lambda t: training.plot_learning_curves(
+            t["learning_curves.csv"], t["curve_asymptotes.csv"], t.get("stopped_curves.csv")
+        ),
         {
             "learning_curves.csv": ["drafter", "paradigm", "regime", "tokens", "metric", "value", "lo", "hi"],
             "curve_asymptotes.csv": ["drafter", "metric", "a", "a_lo", "a_hi", "identified"],
-        },
-        lambda t: (
-            f"{_n_range(t['learning_curves.csv'].groupby('drafter')['tokens'].nunique())} budgets per drafter, "
-            "each after a WSD decay branch "
-            "(warmup-stable-decay; the last point is the run's own decay); bars: 95% intervals (Wilson; MAT: "
-            "parametric bootstrap)"
-        ),
+            "stopped_curves.csv": [
+                "drafter",
+                "paradigm",
+                "regime",
+                "tokens",
+                "metric",
+                "value",
+                "lo",
+                "hi",
+                "saved_step",
+                "train_steps",
+            ],
+        },  # fmt: skip
+        _curve_counts,
+        # the rows whose training stopped short (the reference run's block-kv), where their points were tabled
+        # (scripts/reference/partial_curve_points.py --stopped)
+        optional=("stopped_curves.csv",),
     ),
     FigureSpec(
         "02_heldout_over_training",

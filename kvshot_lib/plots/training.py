@@ -379,10 +379,20 @@ def plot_remedies(per_step: pd.DataFrame, probes: pd.DataFrame | None = None):
 CURVE_TITLES = {"acc_0": "acc$_0$", "acc_3": "acc$_3$", "acc_6": "acc$_6$", "mat": "formula MAT"}
 
 
-def plot_learning_curves(curves: pd.DataFrame, fits: pd.DataFrame | None = None):
+def plot_learning_curves(
+    curves: pd.DataFrame, fits: pd.DataFrame | None = None, stopped: pd.DataFrame | None = None
+):
     """Held-out acc_0, acc_3, acc_6 and the formula MAT against training tokens (log x), one panel each, with
     95% intervals, for every drafter and its control; the fitted asymptote ``a`` of ``a - b N^-c`` as a short
-    tick at the right edge of each panel, where the points identify one (``fits["identified"]``)."""
+    tick at the right edge of each panel, where the points identify one (``fits["identified"]``).
+
+    ``stopped``: the points of rows whose training stopped before their plateau or cap (the same columns), drawn
+    beside the others as "<row> (stopped)", with no asymptote; a row that ``curves`` has finished is left out."""
+    if stopped is not None and len(stopped):
+        stopped = stopped[~stopped["drafter"].isin(curves["drafter"])]
+        curves = pd.concat(
+            [curves, stopped.assign(drafter=stopped["drafter"] + " (stopped)")], ignore_index=True
+        )
     metrics = [m for m in CURVE_TITLES if m in set(curves["metric"])]
     fig, axes = plt.subplots(1, len(metrics), figsize=(PAGE, 2.7), squeeze=False)
     for ax, metric in zip(axes[0], metrics):

@@ -19,7 +19,9 @@ e.g. a control row trained beside a committed one of the same name).
 Prints the points and the gaps (:func:`~kvshot_lib.evaluation.gap_by_budget`, 95% normal intervals), then the
 held-out acc_0 of every evaluation so far (every ``eval_every`` steps, at the stable learning rate) beside the
 ``--against`` rows' at the same steps; ``--out`` writes the three tables (``X.csv``, ``X_gaps.csv``,
-``X_heldout.csv``). A label ``row@here`` names a row trained on this machine whose name is also a committed
+``X_heldout.csv``); ``--stopped`` adds the points of rows that will train no further to
+``figures/<run>/data/stopped_curves.csv``, which ``kvshot figures`` draws beside the finished rows' learning
+curves (``02_learning_curves``). A label ``row@here`` names a row trained on this machine whose name is also a committed
 row's.
 """
 
@@ -54,7 +56,7 @@ def saved_points(run_dir: Path, row: str, label: str) -> tuple[pd.DataFrame, pd.
     curve = pd.DataFrame(meta["logs"]["curve"]).assign(**label_cols)
     evals = pd.DataFrame(meta["logs"].get("eval", [])).assign(**label_cols)
     print(f"{label}: step {meta['step']} saved, {len(curve)} curve points, {len(evals)} held-out evaluations")
-    return curve_table(curve), evals
+    return curve_table(curve).assign(saved_step=meta["step"], train_steps=cfg.get("train_steps")), evals
 
 
 def beside(table: Path, name: str) -> Path:
@@ -77,6 +79,12 @@ def main() -> None:
         "--keep",
         default=None,
         help="an earlier --out table: its rows not given in --rows (their states are gone) are kept beside them",
+    )
+    ap.add_argument(
+        "--stopped",
+        default=None,
+        help="these rows train no further: add their points to this table (figures/<run>/data/stopped_curves.csv "
+        "is drawn beside the finished rows' as 02_learning_curves)",
     )
     args = ap.parse_args()
     plan = load_plan(args.run)
@@ -114,6 +122,11 @@ def main() -> None:
         here.to_csv(out, index=False)
         gaps.to_csv(beside(out, "gaps"), index=False)
         heldout.to_csv(beside(out, "heldout"), index=False)
+    if args.stopped:
+        table = Path(args.stopped)
+        earlier = pd.read_csv(table) if table.is_file() else pd.DataFrame(columns=here.columns)
+        with_new_drafters(here, earlier).to_csv(table, index=False)
+        print(f"{', '.join(names)}: stopped, points written to {table}")
 
 
 if __name__ == "__main__":
