@@ -192,7 +192,7 @@ SPECS = [
                 "saved_step",
                 "train_steps",
             ],
-        },  # fmt: skip
+        },
         _curve_counts,
         # the rows whose training stopped short (the reference run's block-kv), where their points were tabled
         # (scripts/reference/partial_curve_points.py --stopped)

@@ -21,8 +21,8 @@ held-out acc_0 of every evaluation so far (every ``eval_every`` steps, at the st
 ``--against`` rows' at the same steps; ``--out`` writes the three tables (``X.csv``, ``X_gaps.csv``,
 ``X_heldout.csv``); ``--stopped`` adds the points of rows that will train no further to
 ``figures/<run>/data/stopped_curves.csv``, which ``kvshot figures`` draws beside the finished rows' learning
-curves (``02_learning_curves``). A label ``row@here`` names a row trained on this machine whose name is also a committed
-row's.
+curves (``02_learning_curves``). A label ``row@here`` names a row trained on this machine whose name is also a
+committed row's.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def main() -> None:
         heldout.to_csv(beside(out, "heldout"), index=False)
     if args.stopped:
         table = Path(args.stopped)
-        earlier = pd.read_csv(table) if table.is_file() else pd.DataFrame(columns=here.columns)
+        earlier = pd.read_csv(table) if table.is_file() else here.iloc[:0]
         with_new_drafters(here, earlier).to_csv(table, index=False)
         print(f"{', '.join(names)}: stopped, points written to {table}")
 
