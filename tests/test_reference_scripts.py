@@ -115,7 +115,7 @@ def test_keep_carries_a_stopped_rows_points_and_heldout_evaluations(tmp_path):
 
 
 def test_stopped_rows_are_tabled_with_their_saved_step_and_drawn_beside_the_finished_ones(tmp_path):
-    from kvshot_lib.plots import FIGURES, load_tables, training
+    from kvshot_lib.plots import FIGURES, load_tables
 
     committed = pd.read_csv(COMMITTED)
     budget = committed.query("drafter == 'hidden-ttt'").sort_values("budget_step").iloc[0]
@@ -143,8 +143,12 @@ def test_stopped_rows_are_tabled_with_their_saved_step_and_drawn_beside_the_fini
     )
     # a stopped row is drawn as "<row> (stopped)"; once the finished rows hold it, only theirs is drawn
     extra = mine.assign(drafter="extra-row")
-    fig = training.plot_learning_curves(
-        committed, None, pd.concat([extra, committed.query("drafter == 'kv-ttt'")])
+    fig = FIGURES["02_learning_curves"].draw(
+        {
+            "learning_curves.csv": committed,
+            "curve_asymptotes.csv": pd.DataFrame(columns=["drafter", "metric"]),
+            "stopped_curves.csv": pd.concat([extra, committed.query("drafter == 'kv-ttt'")]),
+        }
     )
     labels = fig.legends[0].get_texts()
     assert [t.get_text() for t in labels].count("extra-row (stopped)") == 1

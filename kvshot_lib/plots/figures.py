@@ -55,8 +55,12 @@ def _read(path: Path, spec: FigureSpec, table: str):
 def load_tables(name: str, data_dir: str | Path) -> dict:
     """The tables of figure ``name`` from ``data_dir``, checked: {file name: DataFrame or dict}."""
     spec = _spec(name)
-    present = [t for t in spec.optional if (Path(data_dir) / t).is_file()]
-    return {table: _read(Path(data_dir) / table, spec, table) for table in (*spec.tables, *present)}
+    return {table: _read(Path(data_dir) / table, spec, table) for table in _tables(spec, data_dir)}
+
+
+def _tables(spec: FigureSpec, folder: str | Path) -> tuple[str, ...]:
+    """The tables ``spec`` reads from ``folder``: all of its own, and those of its optional ones that are there."""
+    return (*spec.tables, *(t for t in spec.optional if (Path(folder) / t).is_file()))
 
 
 def _spec(name: str) -> FigureSpec:
@@ -85,7 +89,7 @@ def publish(name: str, results_dir: str | Path, figure_dir: str | Path, context:
     spec = _spec(name)
     data_dir = Path(figure_dir) / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
-    for table in (*spec.tables, *(t for t in spec.optional if (Path(results_dir) / t).is_file())):
+    for table in _tables(spec, results_dir):
         src = Path(results_dir) / table
         _read(src, spec, table)  # a clear error before anything is copied
         shutil.copyfile(src, data_dir / table)

@@ -52,6 +52,16 @@ def _speedup_counts(t):
     return f"each point: {prompts}, one run on {machine}"
 
 
+CURVE_COLUMNS = ["drafter", "paradigm", "regime", "tokens", "metric", "value", "lo", "hi"]
+
+
+def _stopped_rows(t):
+    """The points of the rows whose training stopped short (``stopped_curves.csv``, where present), less any row
+    that has since finished (is in ``learning_curves.csv``)."""
+    stopped = t.get("stopped_curves.csv")
+    return None if stopped is None else stopped[~stopped["drafter"].isin(t["learning_curves.csv"]["drafter"])]
+
+
 def _curve_counts(t):
     counts = (
         f"{_n_range(t['learning_curves.csv'].groupby('drafter')['tokens'].nunique())} budgets per drafter, "
@@ -59,11 +69,10 @@ def _curve_counts(t):
         "(warmup-stable-decay; the last point is the run's own decay); bars: 95% intervals (Wilson; MAT: "
         "parametric bootstrap)"
     )
-    stopped = t.get("stopped_curves.csv")
+    stopped = _stopped_rows(t)
     if stopped is None:
         return counts
-    last = stopped[~stopped["drafter"].isin(t["learning_curves.csv"]["drafter"])]
-    last = last.sort_values("tokens").groupby("drafter").last()
+    last = stopped.sort_values("tokens").groupby("drafter").last()
     return f"{counts}; stopped: " + ", ".join(
         f"{name} at step {int(r['saved_step']):,} of {int(r['train_steps']):,} "
         f"(last point {r['tokens'] / 1e6:.1f}M token-passes)"
@@ -175,23 +184,12 @@ SPECS = [
         "02_train_drafters",
         ("learning_curves.csv", "curve_asymptotes.csv"),
         lambda t: training.plot_learning_curves(
-            t["learning_curves.csv"], t["curve_asymptotes.csv"], t.get("stopped_curves.csv")
+            t["learning_curves.csv"], t["curve_asymptotes.csv"], _stopped_rows(t)
         ),
         {
-            "learning_curves.csv": ["drafter", "paradigm", "regime", "tokens", "metric", "value", "lo", "hi"],
+            "learning_curves.csv": CURVE_COLUMNS,
             "curve_asymptotes.csv": ["drafter", "metric", "a", "a_lo", "a_hi", "identified"],
-            "stopped_curves.csv": [
-                "drafter",
-                "paradigm",
-                "regime",
-                "tokens",
-                "metric",
-                "value",
-                "lo",
-                "hi",
-                "saved_step",
-                "train_steps",
-            ],
+            "stopped_curves.csv": [*CURVE_COLUMNS, "saved_step", "train_steps"],
         },
         _curve_counts,
         # the rows whose training stopped short (the reference run's block-kv), where their points were tabled

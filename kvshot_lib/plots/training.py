@@ -387,9 +387,8 @@ def plot_learning_curves(
     tick at the right edge of each panel, where the points identify one (``fits["identified"]``).
 
     ``stopped``: the points of rows whose training stopped before their plateau or cap (the same columns), drawn
-    beside the others as "<row> (stopped)", with no asymptote; a row that ``curves`` has finished is left out."""
+    beside the others as "<row> (stopped)", with no asymptote."""
     if stopped is not None and len(stopped):
-        stopped = stopped[~stopped["drafter"].isin(curves["drafter"])]
         curves = pd.concat(
             [curves, stopped.assign(drafter=stopped["drafter"] + " (stopped)")], ignore_index=True
         )
