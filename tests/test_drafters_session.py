@@ -21,6 +21,8 @@ VARIANTS = [
     ("hybrid", "linear", 2, {}),
     ("kv", "concat", 2, {"kv_recency": 3}),
     ("kv", "linear", 2, {"kv_recency": 3, "kv_softmax": "separate"}),
+    ("hidden", "concat", 2, {"fc_norm": True, "norm_output": True}),  # EAGLE 3.1
+    ("hybrid", "linear", 1, {"fc_norm": True, "norm_output": True}),
 ]
 ATOL = 2e-5
 

@@ -1,5 +1,6 @@
 """Regenerated responses: batched greedy decoding, the cache, resuming, and what the split holds (tiny models)."""
 
+import gzip
 import json
 
 import pytest
@@ -50,7 +51,9 @@ def test_regeneration_keeps_user_turns_and_answers_greedily(tiny_llama, cache):
     original = tokenize_sharegpt(tiny_llama.tokenizer, "eval", 3, 256)
     assert split.source_ids == original.source_ids and split.spec["responses"] == "regenerated"
     (folder,) = (cache / "regenerated").iterdir()
-    records = [r for f in sorted(folder.glob("shard-*.json")) for r in json.loads(f.read_text())]
+    records = [
+        r for f in sorted(folder.glob("shard-*.json.gz")) for r in json.loads(gzip.decompress(f.read_bytes()))
+    ]
     stops = set(tiny_llama.info.eos_token_ids)
     for rec in records:
         msgs = rec["messages"]
@@ -67,6 +70,11 @@ def test_regeneration_keeps_user_turns_and_answers_greedily(tiny_llama, cache):
         )
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["complete"] and manifest["generated_tokens"] > 0
+    (shard,) = manifest["shards"]
+    assert shard["engine"].startswith("suite") and shard["answers"] == sum(
+        m["role"] == "assistant" for r in records for m in r["messages"]
+    )
+    assert shard["cut"] == shard["answers"]  # 6 new tokens: a random tiny model never stops that soon
 
 
 def test_regeneration_resumes_after_an_interruption(tiny_llama, cache, monkeypatch):
@@ -84,9 +92,9 @@ def test_regeneration_resumes_after_an_interruption(tiny_llama, cache, monkeypat
     with pytest.raises(KeyboardInterrupt):
         regenerate_sharegpt(tiny_llama, "eval", 5, 256, **kw)
     (folder,) = (cache / "regenerated").iterdir()
-    first = (folder / "shard-00000.json").read_bytes()
-    assert not (folder / "shard-00001.json").exists()
-    kept = [r["id"] for r in json.loads(first)]
+    first = (folder / "shard-00000.json.gz").read_bytes()
+    assert not (folder / "shard-00001.json.gz").exists()
+    kept = [r["id"] for r in json.loads(gzip.decompress(first))]
     assert kept == calls[0]  # the first shard holds the first call's conversations
     calls.clear()
 
@@ -99,7 +107,7 @@ def test_regeneration_resumes_after_an_interruption(tiny_llama, cache, monkeypat
     # generation is deterministic, so a run that started over would write the same bytes: what shows that it
     # resumed is which conversations it regenerated (none of the finished shard's)
     assert calls and not set(kept) & {cid for call in calls for cid in call}
-    assert (folder / "shard-00000.json").read_bytes() == first  # finished shards are kept, not redone
+    assert (folder / "shard-00000.json.gz").read_bytes() == first  # finished shards are kept, not redone
     assert len(json.loads((folder / "manifest.json").read_text())["shards"]) == 3
     monkeypatch.setenv("KVSHOT_CACHE", str(cache / "fresh"))
     whole = regenerate_sharegpt(tiny_llama, "eval", 5, 256, **kw)
@@ -121,3 +129,33 @@ def test_partial_regeneration_is_a_prefix(tiny_llama, cache):
     original = tokenize_sharegpt(tiny_llama.tokenizer, "eval", 4, 256)
     assert split.counts["not_regenerated"] == 2  # one shard of two, then the cap
     assert split.source_ids == original.source_ids[:2]
+
+
+def test_a_larger_slice_goes_on_from_a_smaller_ones_shards(tiny_llama, cache, monkeypatch):
+    kw = dict(max_new_tokens=4, max_turns=1, batch_size=2, shard_size=2, progress=False)
+    small = regenerate_sharegpt(tiny_llama, "eval", 2, 256, **kw)
+    calls = []
+    real = regenerate.regenerate_conversations
+
+    def recorded(*args, **kwargs):
+        calls.append([cid for cid, _ in args[1]])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(regenerate, "regenerate_conversations", recorded)
+    large = regenerate_sharegpt(tiny_llama, "eval", 4, 256, **kw)
+    assert len(list((cache / "regenerated").iterdir())) == 1  # one folder for both sizes
+    assert calls == [large.source_ids[2:]]  # only the two new conversations were answered
+    assert [x.tolist() for x in large.ids[:2]] == [x.tolist() for x in small.ids]
+
+
+def test_loops_finds_a_periodic_tail_only():
+    assert regenerate.loops([5] * 30 + [1, 2, 3] * 40)  # period 3
+    assert regenerate.loops(list(range(40)) + list(range(20)) * 5)  # period 20
+    assert not regenerate.loops(list(range(200)))
+    assert not regenerate.loops([1, 2, 3] * 20)  # shorter than the tail looked at
+    assert not regenerate.loops(list(range(100)) * 2)  # period 100: longer than max_period
+
+
+def test_an_unknown_engine_is_refused_before_any_work(tiny_llama, cache):
+    with pytest.raises(ValueError, match="engine must be one of"):
+        regenerate_sharegpt(tiny_llama, "eval", 2, 256, engine="hf", progress=False)

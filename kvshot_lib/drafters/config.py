@@ -15,6 +15,7 @@ PARADIGMS = ("hidden", "kv", "hybrid", "none", "cross", "block")
 # LM head); "cross": the hybrid's cross-attention path on the target's KV without its self-attention path.
 READS_HIDDEN = ("hidden", "hybrid", "cross")  # paradigms that fuse the target's hidden states
 READS_KV = ("kv", "hybrid", "cross")  # paradigms that read the target's KV cache
+EAGLE31_PARADIGMS = ("hidden", "hybrid")  # paradigms with EAGLE 3.1's switches: fc_norm, norm_output
 OWN_CONTEXT = ("hidden", "hybrid", "none")  # paradigms with their own K/V over every context position
 # "block": the parallel block drafter (DFlash-style; drafters/block.py), trained by "parallel"
 BLOCK_CONTEXTS = ("kv", "hidden", "both")  # what of the target a block drafter reads
@@ -59,6 +60,10 @@ class DrafterConfig:
     kv_softmax: str = "shared"  # KV-only: one softmax over target + own K/V ("shared"), or one each
     context: str = ""  # block drafter: "kv" | "hidden" | "both" (what of the target it reads); "" otherwise
     block_size: int = 0  # block drafter: K, the tokens one forward drafts; 0 otherwise
+    fc_norm: bool = False  # EAGLE 3.1: one RMSNorm per fused target layer, before fc
+    norm_output: bool = (
+        False  # EAGLE 3.1: deeper draft steps are fed the output hidden state after the final norm
+    )
     vocab_hash: str = ""
     name: str = ""
     regime: str = ""
@@ -128,6 +133,10 @@ class DrafterConfig:
                 bad(
                     f"{name}={list(layers)} must lie in 0..{self.target_n_layers - 1} (the target's decoder layers)."
                 )
+        if (self.fc_norm or self.norm_output) and self.paradigm not in EAGLE31_PARADIGMS:
+            bad(
+                f"fc_norm and norm_output (EAGLE 3.1) apply to {EAGLE31_PARADIGMS}, not to {self.paradigm!r}."
+            )
         if not 1 <= self.draft_vocab_size <= self.target_vocab_size:
             bad(f"draft_vocab_size must be in 1..{self.target_vocab_size}, got {self.draft_vocab_size}.")
 
@@ -145,6 +154,8 @@ class DrafterConfig:
             "context",
             "block_size",
             "kv_softmax",
+            "fc_norm",
+            "norm_output",
             "vocab_hash",
             "name",
             "regime",
@@ -184,6 +195,8 @@ def drafter_config_for(
     kv_softmax: str = "shared",
     context: str = "",
     block_size: int = 0,
+    fc_norm: bool = False,
+    norm_output: bool = False,
 ) -> DrafterConfig:
     """A drafter config whose widths follow the target's (as EAGLE-3 does). ``target`` is a loaded Target."""
     info = target.info
@@ -220,6 +233,8 @@ def drafter_config_for(
         kv_softmax=kv_softmax,
         context=context,
         block_size=block_size,
+        fc_norm=fc_norm,
+        norm_output=norm_output,
         name=name,
         regime=regime,
     )

@@ -7,6 +7,14 @@
 * Its self-attention runs over the drafter's own sequence: its own keys/values of every context position
   (computed from the target's features) and of the drafted tokens of the current branch.
 * At deeper draft steps the drafter's own output hidden state replaces the target's fused feature.
+
+EAGLE 3.1 (arXiv 2605.09992) adds two switches, both off by default (an EAGLE-3 drafter is unchanged bit for
+bit, ``tests/test_eagle31.py``):
+
+* ``fc_norm``: one RMSNorm per captured target layer, applied to each layer's feature before the
+  concatenation and ``fc``, so that every layer enters at the same scale;
+* ``norm_output``: a deeper draft step is fed the previous step's output *after* the final norm
+  (:meth:`~kvshot_lib.drafters.common.TrainableDrafter.feedback`), not the pre-norm residual stream.
 """
 
 from __future__ import annotations
@@ -66,7 +74,12 @@ class HiddenDrafter(TrainableDrafter):
         super().__init__(cfg, target, d2t)
         H = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.hidden_layers) * H, H, bias=False)
+        if cfg.fc_norm:
+            self.fc_norms = nn.ModuleList(RMSNorm(H, cfg.rms_norm_eps) for _ in cfg.hidden_layers)
         self.layers = nn.ModuleList(self.layer_class(cfg, first=i == 0) for i in range(cfg.n_layers))
 
     def fuse(self, hidden: Tensor) -> Tensor:
+        if self.cfg.fc_norm:  # each captured layer normed on its own: [B, n, H] x 3
+            parts = hidden.split(self.cfg.hidden_size, dim=-1)
+            hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norms, parts)], dim=-1)
         return self.fc(hidden)  # [B, n, 3H] -> [B, n, H]

@@ -158,7 +158,8 @@ class TrainedDraftSession:
         positions = self.P + 1 + depth  # [n]
         emb = d.embed(tokens)[None]  # [1, n, H]
         if d.cfg.uses_hidden:
-            x = torch.where(has_parent[:, None], self.node_out[par], self.root_out[None])[None]  # [1, n, H]
+            out = torch.where(has_parent[:, None], self.node_out[par], self.root_out[None])  # [n, H]
+            x = d.feedback(out)[None]  # [1, n, H]
         else:
             x = emb
         self._mode, self._rows = "tree", (self.n_own + m0, self.n_own + m1)

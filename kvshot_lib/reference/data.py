@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..corpus import cached_regeneration, extract_features, tokenize_sharegpt
+from ..target import assets
+from ..target.assets import REPO_ROOT
 from .plan import Plan, PlanError, Row
 
 
@@ -27,12 +30,19 @@ def data_splits(plan: Plan, target, responses: str):
     held = tokenize_sharegpt(target.tokenizer, "eval", d["n_eval_conversations"], d["max_len"], **kw)
     if responses == "original":
         return train, held, "original"
-    r = plan.data["regenerate"]
-    out = [cached_regeneration(target, split, r["max_new_tokens"], r["max_turns"]) for split in (train, held)]
+    r, root = plan.data["regenerate"], regeneration_root(plan)
+    out = [cached_regeneration(target, s, r["max_new_tokens"], r["max_turns"], root) for s in (train, held)]
     if out[0] is None:  # nothing regenerated yet: say so in every table
         return train, held, "original (no regenerated responses yet)"
     what = f"regenerated ({len(out[0])} of {len(train)} training conversations)"
     return out[0], out[1] if out[1] is not None else held, what
+
+
+def regeneration_root(plan: Plan) -> Path:
+    """Where the plan keeps its regenerated responses: ``data.regenerate.dir`` (relative to the repository, e.g.
+    the committed ``data/regenerated``), else the cache's ``regenerated/``."""
+    folder = plan.data.get("regenerate", {}).get("dir")
+    return REPO_ROOT / folder if folder else assets.cache_dir() / "regenerated"
 
 
 @dataclass

@@ -34,10 +34,10 @@ import pandas as pd
 import torch
 
 from ..corpus import regenerate_sharegpt
-from ..target import assets, load_target
+from ..target import load_target
 from ..target.assets import REPO_ROOT
 from .checkpoints import commit_checkpoint
-from .data import RowData, data_splits, draft_vocab, row_data, train_steps_for
+from .data import RowData, data_splits, draft_vocab, regeneration_root, row_data, train_steps_for
 from .plan import Plan, PlanError, Row
 from .tables import acceptance_tables, trained_tables, update_run
 
@@ -180,16 +180,17 @@ def train_rows(plan: Plan, target, names: list[str], root: Path, progress: bool,
 
 
 def regenerate_split(plan: Plan, target, split: str, max_seconds=None, conversations=None, progress=True):
-    """Regenerate the ``split`` slice's responses (resumable); returns the regeneration and its cache folder.
+    """Regenerate the ``split`` slice's responses (resumable); returns the regeneration and its folder.
     ``conversations``: ``{id: messages}`` to answer instead of reading ShareGPT."""
     d, r = plan.data, plan.data["regenerate"]
     n = d["n_eval_conversations"] if split == "eval" else d["n_train_conversations"]
     regen = regenerate_sharegpt(
         target, split, n, max_len=d["max_len"], seed=plan.seed, max_new_tokens=r["max_new_tokens"],
-        max_turns=r["max_turns"], batch_size=r["batch_size"], shard_size=max(r["batch_size"], 64),
-        progress=progress, conversations=conversations, max_seconds=max_seconds,
+        max_turns=r["max_turns"], batch_size=r["batch_size"], shard_size=r.get("shard_size", max(r["batch_size"], 64)),
+        progress=progress, conversations=conversations, max_seconds=max_seconds, min_len=int(d.get("min_len", 0)),
+        engine=r.get("engine", "suite"), root=regeneration_root(plan),
     )  # fmt: skip
-    return regen, assets.cache_dir() / "regenerated" / regen.spec["regenerated_dir"]
+    return regen, regeneration_root(plan) / regen.spec["regenerated_dir"]
 
 
 # --------------------------------------------------------------------------------------------------- eval

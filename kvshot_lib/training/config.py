@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from ..drafters.config import (
     BLOCK_CONTEXTS,
+    EAGLE31_PARADIGMS,
     KV_MODES,
     KV_SOFTMAX,
     PARADIGMS,
@@ -52,6 +53,9 @@ class TrainConfig:
     context: str = (
         ""  # block drafter: "kv" | "hidden" | "both" (its target context); "zeroed" zeroes all of it
     )
+    # EAGLE 3.1 (hidden, hybrid): one RMSNorm per captured target layer before fc; post-norm feedback
+    fc_norm: bool = False
+    norm_output: bool = False
     hidden_layers: list[int] | None = None  # None = EAGLE-3's (1, L/2-1, L-4)
     kv_layers: list[int] | None = None  # None = the same layers
     draft_vocab_size: int = 8192
@@ -162,6 +166,10 @@ class TrainConfig:
             )
         if self.kv_softmax not in KV_SOFTMAX:
             bad(f"kv_softmax must be one of {KV_SOFTMAX}, got {self.kv_softmax!r}.")
+        if (self.fc_norm or self.norm_output) and self.paradigm not in EAGLE31_PARADIGMS:
+            bad(
+                f"fc_norm and norm_output (EAGLE 3.1) apply to {EAGLE31_PARADIGMS}, not to {self.paradigm!r}."
+            )
         if self.data_source not in DATA_SOURCES:
             bad(f"data_source must be one of {DATA_SOURCES}, got {self.data_source!r}.")
         if self.early_stop_metric not in STOP_METRICS:

@@ -282,6 +282,8 @@ def new_drafter(target, train_store, eval_store, cfg: TrainConfig, d2t: torch.Te
         kv_softmax=cfg.kv_softmax,
         context=cfg.context,
         block_size=cfg.ttt_steps if cfg.paradigm == "block" else 0,
+        fc_norm=cfg.fc_norm,
+        norm_output=cfg.norm_output,
     )
     for store, what in ((train_store, "training"), (eval_store, "held-out")):
         if cfg.data_source == "online":
