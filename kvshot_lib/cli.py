@@ -17,6 +17,7 @@ from . import runner
 from .corpus import FeatureStoreMismatch
 from .decoding import cli as generate_cli
 from .drafters import DrafterConfigError, DrafterTargetMismatch
+from .drafters import cli as export_cli
 from .evaluation import cli as bench_cli
 from .plots import FigureDataError, figures
 from .target import MissingAssetError, TargetLoadError
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     train_cli.add_cli(sub)  # kvshot train
     generate_cli.add_cli(sub)  # kvshot generate
     bench_cli.add_cli(sub)  # kvshot bench
+    export_cli.add_cli(sub)  # kvshot export
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

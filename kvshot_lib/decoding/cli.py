@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..drafters.baselines import BASELINES, drafter_for_target, is_baseline_name, resolve_drafter
 from ..drafters.checkpoint import read_config
+from ..drafters.eagle3_format import is_eagle3_folder
 from ..target import target_architecture
 from ..target.precision import DECODE_PRECISIONS
 from .cycle import MODES, SHAPES, DecodeConfig
@@ -122,6 +123,8 @@ def check_drafter_spec(spec: str, target: str | None = None) -> None:
             f"kvshot: {path} is not a drafter checkpoint: expected a folder with config.json and "
             "model.safetensors, as written by notebook 02."
         )
+    if is_eagle3_folder(path):  # the shared EAGLE-3 layout: its widths are checked when it loads
+        return
     try:
         cfg = read_config(path)
     except (ValueError, FileNotFoundError) as e:

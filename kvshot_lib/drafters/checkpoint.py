@@ -8,7 +8,8 @@ The state dict is the drafter's trainable parameters plus ``d2t`` (the draft voc
 ``target_probe`` (a sample of the target's embedding). The frozen embedding and LM head are the target's
 and are never saved, so loading needs the target, and refuses one that is not the drafter's: another
 architecture (fingerprint), another vocabulary, or the same architecture with other weights (probe).
-Loading is strict and bitwise: what was saved is what comes back. Nothing is pickled.
+Loading is strict and bitwise: what was saved is what comes back. Nothing is pickled. :func:`load_drafter` also
+takes a folder in the EAGLE-3 layout that the serving engines share (``eagle3_format.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import DrafterConfig, DrafterConfigError, DrafterTargetMismatch
+from .eagle3_format import is_eagle3_folder, load_eagle3
 from .vocab import vocab_hash
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -148,8 +150,11 @@ def read_config(path: str | Path) -> DrafterConfig:
 
 def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None):
     """Load a drafter checkpoint for ``target``; raises a clear error on a wrong target or a bad checkpoint.
-    ``dtype`` (e.g. ``torch.bfloat16`` for bf16 decoding) casts its weights and draft head after loading."""
+    ``dtype`` (e.g. ``torch.bfloat16`` for bf16 decoding) casts its weights and draft head after loading.
+    A folder in the shared EAGLE-3 layout (``eagle3_format.py``) loads as a hidden drafter."""
     path = Path(path)
+    if is_eagle3_folder(path):
+        return load_eagle3(path, target, dtype)
     cfg = read_config(path)
     cfg.check_target(target.info, where=f"the drafter at {path}")
     state = read_weights(path)
