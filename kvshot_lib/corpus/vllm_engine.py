@@ -48,7 +48,15 @@ class VllmGreedy:
     """``engine(prompts, max_new_tokens) -> continuations``, greedy, on vLLM CPU in ``dtype``; a context manager
     that stops the worker on exit."""
 
-    def __init__(self, target, dtype: str = "bfloat16", max_model_len: int = 2048, venv: Path = SERVE_VENV):
+    def __init__(
+        self,
+        target,
+        dtype: str = "bfloat16",
+        max_model_len: int = 2048,
+        venv: Path = SERVE_VENV,
+        spec_model: Path | None = None,
+        spec_k: int = 3,
+    ):
         py = serve_python(venv)
         if py is None:
             raise VllmUnavailable(
@@ -58,10 +66,13 @@ class VllmGreedy:
         self.dtype = dtype
         cmd = [str(py), str(WORKER), str(model_folder(target)), "--dtype", dtype]
         cmd += ["--max-model-len", str(max_model_len)]
+        if spec_model is not None:  # speculative decoding with an EAGLE-3 drafter folder
+            cmd += ["--spec-model", str(spec_model), "--spec-k", str(spec_k)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         hello = self._read()
         self.version = hello.get("vllm", "?")
         self.seconds = 0.0  # generation time inside vLLM, summed
+        self.last: dict = {}  # the last reply: per-prompt seconds, speculative counters
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -70,14 +81,19 @@ class VllmGreedy:
             raise VllmUnavailable(f"the vLLM worker stopped (exit code {code}); its messages are above.")
         return json.loads(line)
 
-    def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def __call__(
+        self, prompts: list[list[int]], max_new_tokens: int, one_at_a_time: bool = False
+    ) -> list[list[int]]:
         req = dict(
-            prompts=[list(map(int, p)) for p in prompts], max_new_tokens=max_new_tokens, stop_ids=self.stops
+            prompts=[list(map(int, p)) for p in prompts],
+            max_new_tokens=max_new_tokens,
+            stop_ids=self.stops,
+            one_at_a_time=one_at_a_time,
         )
         self.proc.stdin.write(json.dumps(req) + "\n")
-        reply = self._read()
-        self.seconds += reply["seconds"]
-        return reply["outputs"]
+        self.last = self._read()
+        self.seconds += self.last["seconds"]
+        return self.last["outputs"]
 
     def close(self) -> None:
         if self.proc.poll() is None:

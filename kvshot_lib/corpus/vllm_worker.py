@@ -5,9 +5,14 @@ transformers of its own), so it is a script, not a module of the suite: :class:`
 VllmGreedy` starts it as ``.venv-serve/bin/python kvshot_lib/corpus/vllm_worker.py MODEL_DIR --dtype D`` and
 speaks one JSON object per line:
 
-* in:  ``{"prompts": [[token ids], ...], "max_new_tokens": n, "stop_ids": [ids]}``
-* out: ``{"outputs": [[token ids], ...], "seconds": s}``: greedy continuations, each cut after its first stop
-  token (included, as :func:`~kvshot_lib.corpus.regenerate.batched_greedy` returns them).
+* in:  ``{"prompts": [[token ids], ...], "max_new_tokens": n, "stop_ids": [ids], "one_at_a_time": false}``
+* out: ``{"outputs": [[token ids], ...], "seconds": s, "per_prompt_seconds": [...], "spec": {...}}``: greedy
+  continuations, each cut after its first stop token (included, as
+  :func:`~kvshot_lib.corpus.regenerate.batched_greedy` returns them). ``one_at_a_time`` decodes the prompts one
+  after the other (batch 1, timed each: what a single-user speed comparison needs) instead of as one batch.
+
+``--spec-model DIR --spec-k K`` serves with an EAGLE-3 drafter (``speculative_config={"method": "eagle3", ...}``);
+``spec`` then holds vLLM's own counters over the request: drafts, draft tokens and accepted tokens per position.
 
 vLLM's own log lines go to stderr; the protocol has stdout to itself. What vLLM CPU needs on this machine (the
 brief's notes): no engine subprocess (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager mode, a KV-cache space.
@@ -29,6 +34,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-cache-gib", default="4")
     ap.add_argument("--threads", default=str(os.cpu_count() or 1))
+    ap.add_argument("--spec-model", default=None, help="an EAGLE-3 drafter folder: speculative decoding")
+    ap.add_argument("--spec-k", type=int, default=3, help="draft tokens per step (num_speculative_tokens)")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", a.kv_cache_gib)
@@ -38,7 +45,15 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=a.model, dtype=a.dtype, enforce_eager=True, max_model_len=a.max_model_len, seed=0)
+    kw = dict(model=a.model, dtype=a.dtype, enforce_eager=True, max_model_len=a.max_model_len, seed=0)
+    if a.spec_model:
+        kw["speculative_config"] = {
+            "method": "eagle3",
+            "model": a.spec_model,
+            "num_speculative_tokens": a.spec_k,
+        }
+        kw["disable_log_stats"] = False  # the acceptance counters
+    llm = LLM(**kw)
     protocol.write(json.dumps({"ready": True, "vllm": __import__("vllm").__version__}) + "\n")
     for line in sys.stdin:
         req = json.loads(line)
@@ -46,17 +61,45 @@ def main() -> None:
         params = SamplingParams(
             temperature=0.0, max_tokens=int(req["max_new_tokens"]), stop_token_ids=stops, detokenize=False
         )
-        t0 = time.perf_counter()
-        outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False
-        )
+        t0, before = time.perf_counter(), spec_counters(llm) if a.spec_model else {}
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+        if req.get("one_at_a_time"):
+            outs, per_prompt = [], []
+            for p in prompts:
+                t1 = time.perf_counter()
+                outs += llm.generate([p], params, use_tqdm=False)
+                per_prompt.append(time.perf_counter() - t1)
+        else:
+            outs, per_prompt = llm.generate(prompts, params, use_tqdm=False), []
         rows = []
         for o in outs:  # vLLM returns them in the order asked
             ids = list(o.outputs[0].token_ids)
             if o.outputs[0].finish_reason == "stop" and (not ids or ids[-1] not in stops):
                 ids.append(stops[0])  # a stop that vLLM left out of the ids: keep the suite's convention
             rows.append(ids)
-        protocol.write(json.dumps({"outputs": rows, "seconds": time.perf_counter() - t0}) + "\n")
+        reply = {"outputs": rows, "seconds": time.perf_counter() - t0, "per_prompt_seconds": per_prompt}
+        if a.spec_model:
+            after = spec_counters(llm)
+            reply["spec"] = {k: _minus(after[k], before.get(k)) for k in after}
+        protocol.write(json.dumps(reply) + "\n")
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's speculative-decoding counters so far: drafts, draft tokens, accepted tokens (total, per position)."""
+    out = {}
+    for m in llm.get_metrics():
+        name = m.name.removeprefix("vllm:spec_decode_")
+        if name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            out[name] = m.value
+        elif name == "num_accepted_tokens_per_pos":
+            out[name] = list(m.values)
+    return out
+
+
+def _minus(a, b):
+    if b is None:
+        return a
+    return [x - y for x, y in zip(a, b)] if isinstance(a, list) else a - b
 
 
 if __name__ == "__main__":
