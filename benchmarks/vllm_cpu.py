@@ -25,13 +25,11 @@ from pathlib import Path
 
 import torch
 
-from kvshot_lib.corpus import chat_prompt_ids, load_mtbench
-from kvshot_lib.corpus.vllm_engine import VllmGreedy
+from kvshot_lib.corpus import VllmGreedy, chat_prompt_ids, load_mtbench
 from kvshot_lib.decoding import DecodeConfig, generate
-from kvshot_lib.drafters import load_drafter
-from kvshot_lib.drafters.eagle3_format import export_eagle3
-from kvshot_lib.evaluation.speed_table import machine_info, machine_name
-from kvshot_lib.target import REPO_ROOT, load_target
+from kvshot_lib.drafters import export_eagle3, load_drafter
+from kvshot_lib.evaluation import machine_info, machine_name
+from kvshot_lib.target import REPO_ROOT, forward, load_target
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("suite_plain", "suite_chain", "vllm_plain", "vllm_eagle3")
@@ -49,7 +47,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def top2_margin(target, prompt: list[int], output: list[int], at: int) -> float:
     """The suite's fp32 logit gap between the two best tokens at output position ``at``."""
     ids = torch.tensor([prompt + output[:at]])
-    top = target.model(input_ids=ids, logits_to_keep=1).logits[0, -1].float().topk(2).values
+    top = forward.forward(target.model, ids, logits_to_keep=1).logits[0, -1].float().topk(2).values
     return float(top[0] - top[1])
 
 

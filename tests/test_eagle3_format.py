@@ -15,10 +15,11 @@ from kvshot_lib.drafters import (
     DrafterTargetMismatch,
     build_drafter,
     drafter_config_for,
+    export_eagle3,
+    is_eagle3_folder,
     load_drafter,
 )
-from kvshot_lib.drafters.eagle3_format import export_eagle3, is_eagle3_folder
-from kvshot_lib.target import REPO_ROOT, load_target
+from kvshot_lib.target import REPO_ROOT, assets, load_target
 from kvshot_lib.training import batch_from_target
 
 SERVE_PYTHON = REPO_ROOT / ".venv-serve" / "bin" / "python"
@@ -115,8 +116,6 @@ def test_a_public_drafters_own_head_and_embedding_are_used(tiny_llama, tmp_path)
 @pytest.mark.parametrize("which", ["reference-hidden-ttt", "eagle31"])
 def test_speculators_computes_the_suites_draft_logits(tmp_path, which):
     """speculators converts the export, loads it as its own EAGLE-3 model and gives the same first-step logits."""
-    from kvshot_lib.target.assets import smollm2_model_dir
-
     target = load_target("smollm2-135m", device="cpu", dtype="float32")
     if which == "eagle31":
         d = eagle31_like(target)
@@ -135,7 +134,7 @@ def test_speculators_computes_the_suites_draft_logits(tmp_path, which):
         str(SERVE_PYTHON),
         str(script),
         str(out),
-        str(smollm2_model_dir()),
+        str(assets.smollm2_model_dir()),
         str(tmp_path / "in.safetensors"),
     ]
     subprocess.run([*args, str(tmp_path / "out.safetensors")], check=True, capture_output=True, timeout=300)

@@ -26,6 +26,7 @@ RANK = {
     "plots": 5,
     "runner": 6,
     "reference": 7,
+    "doctor": 7,
     "cli": 8,
 }
 
@@ -240,3 +241,34 @@ def test_the_layout_rules_catch_todays_knots(tmp_path):
     assert [w.split(" imports ")[1] for w in private_imports(modules)] == ["_commit from decoding.engine"]
     tree = ast.parse("def f():\n    from ..decoding import generate\n")
     assert [s for m, names in _kvshot_imports(tree, "drafters") for s in _stage(m, names)] == ["decoding"]
+
+
+def _target_calls(tree: ast.AST) -> list[int]:
+    """Lines that call a model directly: ``model(...)``, ``x.model(...)`` (``target.model``, ``self.model``,
+    ``model.model``)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id == "model") or (
+                isinstance(f, ast.Attribute) and f.attr == "model"
+            ):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_every_target_forward_goes_through_the_seam():
+    """target/forward.py is the one place that calls the target; no module passes ``past_key_values=``."""
+    seam = LIB / "target" / "forward.py"
+    for f in sorted(LIB.rglob("*.py")):
+        text = f.read_text()
+        assert "past_key_values=" not in text or f == seam, (
+            f"{f.relative_to(REPO_ROOT)} passes past_key_values="
+        )
+        if f != seam:
+            calls = _target_calls(ast.parse(text))
+            assert not calls, f"{f.relative_to(REPO_ROOT)} calls the target directly at lines {calls}"
+
+
+def test_the_seam_check_sees_a_direct_call():
+    assert _target_calls(ast.parse("out = target.model(input_ids=x)\ny = model(x)\nz = f(x)")) == [1, 2]

@@ -159,3 +159,18 @@ def test_loops_finds_a_periodic_tail_only():
 def test_an_unknown_engine_is_refused_before_any_work(tiny_llama, cache):
     with pytest.raises(ValueError, match="engine must be one of"):
         regenerate_sharegpt(tiny_llama, "eval", 2, 256, engine="hf", progress=False)
+
+
+def test_a_conversation_whose_first_turn_does_not_fit_ends_there(tiny_llama):
+    """Its second turn is not answered without the first (it would read a history that never was)."""
+    long_first = [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "ok"}]
+    convs = [("long", long_first + [{"role": "user", "content": "and now?"}])]
+    short = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    convs.append(
+        ("short", short + [{"role": "user", "content": "more"}, {"role": "assistant", "content": "x"}])
+    )
+    records, counts = regenerate.regenerate_conversations(tiny_llama, convs, 3, 2, 64, 2)
+    by_id = {r["id"]: r["messages"] for r in records}
+    assert by_id["long"] == []
+    assert [m["role"] for m in by_id["short"]] == ["user", "assistant", "user", "assistant"]
+    assert counts["answers"] == 2

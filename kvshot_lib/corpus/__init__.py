@@ -7,6 +7,8 @@ feature store.
 * :func:`load_mtbench` and :func:`mtbench_messages` give the 80 two-turn MT-bench prompts;
 * :func:`long_prompts` gives real long prompts (the longest ShareGPT conversations, to summarize) of an
   exact token length, for long-context decoding (SpecPV);
+* :class:`VllmGreedy` generates greedily on vLLM CPU (its own environment, ``make interop-env``): regeneration's
+  fast engine;
 * :func:`extract_features` runs the target once over a split and writes hidden states, K/V and soft-label
   features to resumable safetensors shards; :class:`FeatureStore` reads them lazily.
 
@@ -29,6 +31,7 @@ from .sharegpt import (
     split_indices,
     tokenize_sharegpt,
 )
+from .vllm_engine import VllmGreedy, VllmUnavailable
 
 __all__ = [
     "long_context",
@@ -37,6 +40,8 @@ __all__ = [
     "LongPrompt",
     "MTBenchQuestion",
     "TokenizedSplit",
+    "VllmGreedy",
+    "VllmUnavailable",
     "answer_text",
     "batched_greedy",
     "cached_regeneration",

@@ -30,7 +30,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..target import Target, assets, capture
+from ..target import Target, assets
+from ..target.forward import sequence_features
 from ..target.precision import autocast, machine_record, resolve_precision
 from .sharegpt import TokenizedSplit
 
@@ -97,21 +98,14 @@ def _extract_sequence(
     target: Target, ids: torch.Tensor, hidden_layers, kv_layers, dtype, precision: str = "no"
 ) -> dict:
     model = target.model
-    dev = next(model.parameters()).device
-    with (
-        capture(
-            model, sorted(set(hidden_layers) | set(kv_layers)), hidden=bool(hidden_layers), kv=bool(kv_layers)
-        ) as rec,
-        autocast(precision, dev),
-    ):
-        out = model.model(input_ids=ids[None].to(dev), use_cache=False)
-    final = out.last_hidden_state[0]  # [T, hidden], after the final norm
-    feats = {"final_hidden": final.to(dtype).cpu()}
+    with autocast(precision, next(model.parameters()).device):
+        f = sequence_features(model, ids[None], hidden_layers, kv_layers)
+    feats = {"final_hidden": f.final[0].to(dtype).cpu()}  # [T, hidden], after the final norm
     for layer in hidden_layers:
-        feats[f"hidden.{layer}"] = rec.hidden_at(layer)[0].to(dtype).cpu()  # [T, hidden]
+        feats[f"hidden.{layer}"] = f.hidden[layer][0].to(dtype).cpu()  # [T, hidden]
     for layer in kv_layers:
-        feats[f"keys.{layer}"] = rec.keys_at(layer)[0].transpose(0, 1).to(dtype).cpu()  # [T, kvH, D]
-        feats[f"values.{layer}"] = rec.values_at(layer)[0].transpose(0, 1).to(dtype).cpu()
+        feats[f"keys.{layer}"] = f.keys[layer][0].transpose(0, 1).to(dtype).cpu()  # [T, kvH, D]
+        feats[f"values.{layer}"] = f.values[layer][0].transpose(0, 1).to(dtype).cpu()
     for name, x in feats.items():
         if not torch.isfinite(x).all():
             raise FloatingPointError(

@@ -36,6 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..target import assets
+from ..target.forward import forward, new_cache
 from .chat import answer_text, chat_prompt_ids, encode_conversation, tokenizer_fingerprint
 from .sharegpt import DEFAULT_EVAL_SIZE, TokenizedSplit, load_sharegpt, tokenize_sharegpt
 
@@ -69,8 +70,6 @@ def batched_greedy(
     ``stop=True`` cuts each continuation after its first stop token (and ends when all have stopped);
     ``stop=False`` decodes ``max_new_tokens`` for every prompt (what the acceptance replay needs). Equals plain
     greedy decoding of each prompt alone up to float rounding (``tests/test_regenerate.py``)."""
-    from transformers import DynamicCache
-
     model, stops = target.model, list(target.info.eos_token_ids)
     dev = next(model.parameters()).device
     B, T = len(prompts), max(len(p) for p in prompts)
@@ -80,9 +79,9 @@ def batched_greedy(
         ids[b, T - len(p) :], attn[b, T - len(p) :] = torch.tensor(p), 1
     ids, attn = ids.to(dev), attn.to(dev)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, T] each prompt's own positions
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     stop_ids = torch.tensor(stops, device=dev)
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, logits_to_keep=1)
+    out = forward(model, ids, cache, pos, attn, logits_to_keep=1)
     nxt = out.logits[:, -1].argmax(-1)  # [B]
     tokens, done = [nxt], torch.isin(nxt, stop_ids)
     pos = pos[:, -1:]
@@ -91,7 +90,7 @@ def batched_greedy(
             break
         attn = torch.cat([attn, attn.new_ones(B, 1)], dim=1)  # [B, T + t]
         pos = pos + 1  # [B, 1]
-        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache)
+        out = forward(model, nxt[:, None], cache, pos, attn)
         nxt = out.logits[:, -1].argmax(-1)
         tokens.append(nxt)
         done |= torch.isin(nxt, stop_ids)
@@ -135,7 +134,8 @@ def regenerate_conversations(
     for turn in range(max_turns):
         todo = []
         for s in state:
-            if turn < len(s["users"]) and (turn == 0 or s["messages"][-1]["role"] == "assistant"):
+            answered = bool(s["messages"]) and s["messages"][-1]["role"] == "assistant"
+            if turn < len(s["users"]) and (turn == 0 or answered):  # a turn that was skipped ends it
                 prompt = chat_prompt_ids(tok, s["messages"] + [{"role": "user", "content": s["users"][turn]}])
                 if len(prompt) < max_len - 8:  # else no answer would fit the cap: the conversation ends here
                     todo.append((s, prompt))

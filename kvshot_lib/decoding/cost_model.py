@@ -30,9 +30,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from ..drafters.tree_mask import ancestor_matrix, tree_attention_mask
+from ..target.forward import crop, forward, new_cache
 from ..target.precision import cpu_model, precision_label
 from .cycle import DecodeConfig, keep_block_positions
 from .engine import speculative_generate
@@ -158,8 +158,8 @@ def measure_verification(
     dev = model.device
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, min(5000, target.info.vocab_size), (1, context), generator=g).to(dev)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache = new_cache(model)
+    forward(model, prompt, cache, logits_to_keep=1)
     dtype = next(model.parameters()).dtype
     times = defaultdict(list)
     commits = []
@@ -175,20 +175,14 @@ def measure_verification(
                         mask = tree_attention_mask(
                             ancestor_matrix(list(range(-1, k - 2))), context, dtype, dev
                         )
-                    model(
-                        input_ids=block,
-                        past_key_values=cache,
-                        position_ids=positions,
-                        attention_mask=mask,
-                        use_cache=True,
-                    )
+                    forward(model, block, cache, positions, mask)
                     t1 = _clock(dev)
                     if tree:
                         keep_block_positions(
                             cache, context, [0, k - 1] if k > 1 else [0]
                         )  # a path of one draft
                         commits.append(_clock(dev) - t1)
-                    cache.crop(-(cache.get_seq_length() - context))
+                    crop(cache, context)
                     if rep:
                         times[k, tree].append(t1 - t0)
     chain = monotone({k: min(times[k, False]) for k in sizes})

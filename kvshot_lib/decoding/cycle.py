@@ -22,6 +22,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from ..drafters.baselines import NgramDrafter
+from ..target.forward import clone_cache, forward, new_cache
 from .proposal import add_lookup, chosen_chain, chosen_tree, lookup_chain, select_by_value
 from .sampling import check_sampling_args, logits_to_probs, sample
 from .shapes import SpeedModel
@@ -174,14 +175,8 @@ class Prefill:
         model = target.model
         ids = check_prompt(prompt_ids, target.info.max_context).to(model.device)
         t0 = time.perf_counter()
-        cache = DynamicCache(config=model.config)
-        out = model(
-            input_ids=ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            output_hidden_states=bool(layers),
-        )
+        cache = new_cache(model)
+        out = forward(model, ids, cache, logits_to_keep=1, hidden_states=bool(layers))
         hidden = {layer: out.hidden_states[layer + 1] for layer in layers}  # [1, T, H] each
         pre = cls(ids, cache, out.logits[0, -1], hidden, time.perf_counter() - t0)
         if store is not None:
@@ -198,9 +193,7 @@ class Prefill:
             raise ValueError(
                 f"the shared prefill lacks the hidden states of layers {missing}; prefill with them."
             )
-        cache = DynamicCache(config=config)
-        for i, layer in enumerate(self.cache.layers):
-            cache.update(layer.keys, layer.values, i)  # concatenation onto an empty layer: a copy
+        cache = clone_cache(self.cache, config)
         return Prefill(
             self.ids, cache, self.logits, {layer: self.hidden[layer] for layer in layers}, self.seconds
         )

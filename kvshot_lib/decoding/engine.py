@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ..drafters.base import TargetView
 from ..drafters.tree_mask import ancestor_matrix, tree_attention_mask
+from ..target.forward import forward
 from .cycle import CycleState, DecodeConfig, GenerationResult, Prefill, choose_token, keep_block_positions
 from .kernels import small_batch_linear
 from .sampling import accept_draft_tokens, logits_to_probs, residual_probs, sample
@@ -120,7 +121,7 @@ def autoregressive_generate(
         while not state.done and not state.out_of_context():
             tok[0, 0] = state.result.token_ids[-1]
             pos = torch.tensor([[state.root]], device=model.device)
-            out = model(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos)
+            out = forward(model, tok, cache, positions=pos)
             state.commit([choose_token(out.logits[0, -1], cfg, state.gen)])
     result = state.finish()
     result.verify_s = result.total_s - result.prefill_s
@@ -168,14 +169,7 @@ def _speculative(target, drafter, prompt_ids, cfg: DecodeConfig, on_cycle, prefi
         positions = torch.tensor([[P, *(P + 1 + d for d in tree.depths)]], device=dev)  # [1, N+1]
         chain = tree.is_chain()  # the model's causal mask serves a chain
         mask = None if chain else tree_attention_mask(ancestor_matrix(tree.parents), P, mask_dtype, dev)
-        out = model(
-            input_ids=block,
-            past_key_values=cache,
-            position_ids=positions,
-            attention_mask=mask,
-            use_cache=True,
-            output_hidden_states=bool(layers),
-        )
+        out = forward(model, block, cache, positions=positions, mask=mask, hidden_states=bool(layers))
         path, bonus = verify_tree(tree, out.logits[0], cfg, state.gen, session.d2t, result)
         t_commit = time.perf_counter()
         keep = [0, *(i + 1 for i in path)]

@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache
 
+from ..target.forward import new_cache
+
 SCORES = ("quest", "vector")
 _IMPL = "kvshot_compact"
 
@@ -183,7 +185,7 @@ class PartialKVCache:
         cfg = self.cfg
         length = full_cache.get_seq_length()
         lay = layout(length, cfg)
-        self.cache, self.positions = DynamicCache(config=config), {}
+        self.cache, self.positions = new_cache(config), {}
         for li, layer in enumerate(full_cache.layers):
             keys, values = layer.keys, layer.values  # [1, kvH, T, D]
             kvh, device = keys.shape[1], keys.device

@@ -44,6 +44,7 @@ from transformers import DynamicCache
 from ..drafters.base import TargetView
 from ..drafters.tree_mask import ancestor_matrix, tree_attention_mask
 from ..target.capture import capture
+from ..target.forward import forward
 from .cycle import CycleState, DecodeConfig, GenerationResult, Prefill, keep_block_positions
 from .engine import verify_tree
 from .kernels import small_batch_linear
@@ -270,14 +271,7 @@ class _Passes:
         with capture(
             self.model, self.all_layers if refresh else [], hidden=False, kv=False, queries=refresh
         ) as rec:
-            out = self.model(
-                input_ids=block,
-                past_key_values=self.full,
-                position_ids=positions,
-                attention_mask=mask,
-                use_cache=True,
-                output_hidden_states=bool(self.layers),
-            )
+            out = forward(self.model, block, self.full, positions, mask, hidden_states=bool(self.layers))
         result.n_full += 1
         result.refed_tokens += n_pend
         rows = out.logits[0]  # [n_pend + 1 + N, V]
@@ -331,14 +325,8 @@ class _Passes:
         past = partial.cache.get_seq_length()
         mask = partial.mask(ancestor_matrix(tree.parents), self.mask_dtype, dev)  # [1, 1, N+1, past+N+1]
         with compact_attention_mode(self.model):
-            out = self.model(
-                input_ids=block,
-                past_key_values=partial.cache,
-                position_ids=positions,
-                attention_mask=mask,
-                use_cache=True,
-                output_hidden_states=bool(self.layers) or on_partial is not None,
-            )
+            hidden = bool(self.layers) or on_partial is not None
+            out = forward(self.model, block, partial.cache, positions, mask, hidden_states=hidden)
         result.n_partial += 1
         rows = out.logits[0]  # [N+1, V]
         path, bonus = verify_tree(tree, rows, cfg, state.gen, self.d2t, result)

@@ -25,7 +25,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..corpus import TokenizedSplit
-from ..target import capture
+from ..target.forward import sequence_features
 
 
 @dataclass
@@ -92,23 +92,22 @@ def probe_documents(
         anchors = pick_probe_anchors(mask, n_steps, anchors_per_doc)
         if anchors.numel() == 0:
             continue
-        with capture(target.model, layers, hidden=True, kv=True, queries=True) as rec:
-            out = target.model(input_ids=ids[None].to(dev), use_cache=False, output_hidden_states=True)
-        greedy = out.logits[0].argmax(-1).cpu()  # [T]: the target's choice for the next position
+        f = sequence_features(target.model, ids[None], layers, layers, query_layers=layers, logits=True)
+        greedy = f.logits[0].argmax(-1).cpu()  # [T]: the target's choice for the next position
         pos = anchors[None] + steps[:, None]  # [K, A] positions t+k
-        final = out.hidden_states[-1][0, pos.flatten().to(dev)].float().cpu()  # [K*A, H] post-norm
+        final = f.final[0, pos.flatten().to(dev)].float().cpu()  # [K*A, H] post-norm
         final_sum, n_final = final_sum + final.sum(0), n_final + final.shape[0]
         end = int(anchors.max()) + 1
-        keys = torch.cat([rec.keys_at(x)[0, :, :end] for x in layers])  # [nI, T', D]
-        values = torch.cat([rec.values_at(x)[0, :, :end] for x in layers])
-        queries = torch.cat([rec.queries_at(x)[0] for x in layers])  # [nL*Hq, T, D]
+        keys = torch.cat([f.keys[x][0, :, :end] for x in layers])  # [nI, T', D]
+        values = torch.cat([f.values[x][0, :, :end] for x in layers])
+        queries = torch.cat([f.queries[x][0] for x in layers])  # [nL*Hq, T, D]
         docs.append(
             ProbeDoc(
                 doc_id=str(doc_id),
                 anchors=anchors,
                 tokens=ids[anchors],
                 labels=greedy[pos],
-                hidden=torch.cat([rec.hidden_at(x)[0, anchors] for x in layers], dim=-1).float().cpu(),
+                hidden=torch.cat([f.hidden[x][0, anchors] for x in layers], dim=-1).float().cpu(),
                 keys=keys.float().cpu(),
                 values=values.float().cpu(),
                 queries=queries[:, pos].permute(1, 2, 0, 3).float().cpu(),  # [K, A, nL*Hq, D]

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..drafters.unroll import TrainBatch
-from ..target import capture
+from ..target.forward import sequence_features
 from . import attention_metrics as am
 from .drafter_hooks import (
     TargetAttentionRecorder,
@@ -60,16 +60,13 @@ class TargetPass:
 
 @torch.no_grad()
 def target_pass(target, ids: Tensor, kv_layers, hidden_layers=()) -> TargetPass:
-    layers = sorted(set(kv_layers) | set(hidden_layers))
-    dev = next(target.model.parameters()).device
-    with capture(target.model, layers, hidden=bool(hidden_layers), kv=True, queries=True) as rec:
-        target.model.model(input_ids=ids[None].to(dev), use_cache=False)
+    f = sequence_features(target.model, ids[None], hidden_layers, kv_layers, query_layers=kv_layers)
     return TargetPass(
         ids.cpu(),
-        {lay: rec.queries_at(lay)[0].float().cpu() for lay in kv_layers},
-        {lay: rec.keys_at(lay)[0].float().cpu() for lay in kv_layers},
-        {lay: rec.values_at(lay)[0].float().cpu() for lay in kv_layers},
-        {lay: rec.hidden_at(lay)[0].float().cpu() for lay in hidden_layers},
+        {lay: f.queries[lay][0].float().cpu() for lay in kv_layers},
+        {lay: f.keys[lay][0].float().cpu() for lay in kv_layers},
+        {lay: f.values[lay][0].float().cpu() for lay in kv_layers},
+        {lay: f.hidden[lay][0].float().cpu() for lay in hidden_layers},
     )
 
 

@@ -35,6 +35,7 @@ from .config import (
     DrafterTargetMismatch,
     drafter_config_for,
 )
+from .eagle3_format import export_eagle3, is_eagle3_folder, load_eagle3
 from .kv import KVDrafter, RecencyBias
 from .session import TrainedDraftSession
 from .target_init import init_attention_from_target
@@ -75,6 +76,9 @@ __all__ = [
     "init_attention_from_target",
     "is_baseline_name",
     "load_drafter",
+    "load_eagle3",
+    "export_eagle3",
+    "is_eagle3_folder",
     "read_config",
     "rebind_drafter",
     "resolve_drafter",

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 
+from ..target.forward import crop, forward, new_cache
 from .tree_mask import ancestor_matrix, tree_attention_mask
 
 BASELINES = ("self", "ngram", "random")
@@ -47,7 +47,7 @@ class ModelDraftSession:
 
     def __init__(self, model: torch.nn.Module, noise: float = 0.0, generator: torch.Generator | None = None):
         self.model, self.noise, self.generator = model, noise, generator
-        self.cache = DynamicCache(config=model.config)
+        self.cache = new_cache(model)
         self.n_committed = 0  # committed tokens in self.cache
         self.seen = torch.empty(0, dtype=torch.long)  # [n_committed] those tokens
         self.parents: list[int] = []
@@ -59,13 +59,7 @@ class ModelDraftSession:
         self._rewind(committed[0])
         new = committed[:, self.n_committed :]  # [1, n_new]: accepted drafts and the root
         positions = torch.arange(self.n_committed, committed.shape[1], device=new.device)[None]  # [1, n_new]
-        out = self.model(
-            input_ids=new,
-            past_key_values=self.cache,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        out = forward(self.model, new, self.cache, positions, logits_to_keep=1)
         self.n_committed = committed.shape[1]
         self.seen = committed[0].clone()
         return self._noisy(out.logits[0, -1])  # [V]
@@ -76,7 +70,7 @@ class ModelDraftSession:
         differ = (self.seen[:n].to(committed.device) != committed[:n]).nonzero()
         keep = int(differ[0]) if len(differ) else n
         if keep < self.n_committed:
-            self.cache.crop(-(self.n_committed - keep))
+            crop(self.cache, keep)
             self.n_committed = keep
 
     def _noisy(self, logits: Tensor) -> Tensor:
@@ -94,19 +88,11 @@ class ModelDraftSession:
         past = self.n_committed  # committed tokens, the root included
         mask = tree_attention_mask(anc, past, self.mask_dtype, tokens.device)  # [1, 1, n, past + n_nodes]
         positions = torch.tensor([[past + d for d in self.depths[first:]]], device=tokens.device)  # [1, n]
-        out = self.model(
-            input_ids=tokens[None],
-            past_key_values=self.cache,
-            position_ids=positions,
-            attention_mask=mask,
-            use_cache=True,
-        )
+        out = forward(self.model, tokens[None], self.cache, positions, mask)
         return self._noisy(out.logits[0])  # [n, V]
 
     def end_cycle(self) -> None:
-        extra = self.cache.get_seq_length() - self.n_committed
-        if extra > 0:
-            self.cache.crop(-extra)
+        crop(self.cache, self.n_committed)
         self.parents, self.depths = [], []
 
 

@@ -26,13 +26,13 @@ from pathlib import Path
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from ..corpus import answer_text, batched_greedy, chat_prompt_ids, load_mtbench, mtbench_messages
 from ..decoding.cycle import CycleState, DecodeConfig, GenerationResult, stop_tokens
 from ..decoding.engine import autoregressive_generate, speculative_generate, walk_tree
 from ..decoding.tree import DraftTree
 from ..drafters.base import TargetView
+from ..target.forward import forward, new_cache
 from . import metrics
 
 
@@ -135,14 +135,8 @@ def cache_prefix(cache, n: int):
 def target_states(target, ref: Reference, layers: tuple[int, ...]):
     """The target's cache and chosen hidden states over prompt + greedy output, in one forward."""
     full = torch.tensor([ref.prompt_ids + ref.greedy_ids], device=target.model.device)  # [1, T+G]
-    cache = DynamicCache(config=target.model.config)
-    out = target.model(
-        input_ids=full,
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=bool(layers),
-        logits_to_keep=1,
-    )
+    cache = new_cache(target.model)
+    out = forward(target.model, full, cache, logits_to_keep=1, hidden_states=bool(layers))
     hidden = {layer: out.hidden_states[layer + 1] for layer in layers}  # [1, T+G, H]
     return full, cache, hidden
 

@@ -34,6 +34,7 @@ import torch
 
 from ..decoding.cycle import Prefill
 from ..decoding.partial_kv import PartialKVCache, PartialKVConfig
+from ..target.forward import cache_length, crop, forward
 
 QWEN3_8B_H100 = dict(
     params=8.19e9,
@@ -65,17 +66,17 @@ def forward_costs(
     g = torch.Generator().manual_seed(0)
     cfg = model.config
     out = []
-    for L in sorted((x for x in lengths if x <= cache.get_seq_length()), reverse=True):
-        cache.crop(-(cache.get_seq_length() - L)) if cache.get_seq_length() > L else None
+    for L in sorted((x for x in lengths if x <= cache_length(cache)), reverse=True):
+        crop(cache, L)
         for n in rows:
             x = torch.randint(100, 1000, (1, n), generator=g).to(model.device)
             pos = torch.arange(L, L + n, device=model.device)[None]
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                model(input_ids=x, past_key_values=cache, position_ids=pos, use_cache=True)
+                forward(model, x, cache, positions=pos)
                 times.append(time.perf_counter() - t0)
-                cache.crop(-n)
+                crop(cache, L)
             out.append(dict(length=L, rows=n, seconds=sorted(times)[reps // 2], what="forward"))
         H, D = cfg.num_attention_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
         queries = {

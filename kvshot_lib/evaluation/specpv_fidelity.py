@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from ..decoding.cycle import DecodeConfig, Prefill
 from ..decoding.engine import autoregressive_generate
 from ..decoding.specpv import PartialStep, SpecPVConfig, full_block, specpv_generate
+from ..target.forward import cache_length, crop, forward
 from . import metrics
 
 
@@ -68,15 +69,8 @@ def shadow_full(step: PartialStep) -> tuple[torch.Tensor, torch.Tensor]:
     n_rows = len(step.tree) + 1
     pending_and_root = step.ids[:, : step.ids.shape[1] - len(step.tree)]
     ids, positions, mask = full_block(step.F, pending_and_root, step.tree, step.logits.dtype, step.ids.device)
-    out = model(
-        input_ids=ids,
-        past_key_values=cache,
-        position_ids=positions,
-        attention_mask=mask,
-        use_cache=True,
-        output_hidden_states=True,
-    )
-    cache.crop(-ids.shape[1])
+    out = forward(model, ids, cache, positions, mask, hidden_states=True)
+    crop(cache, cache_length(cache) - ids.shape[1])
     return out.logits[0, -n_rows:], out.hidden_states[-1][0, -n_rows:]
 
 

@@ -25,6 +25,7 @@ import pandas as pd
 import torch
 
 from ..target import bf16_tier, cpu_model
+from ..target.forward import forward
 from . import metrics
 
 
@@ -199,7 +200,9 @@ def _nodes_per_cycle(plan, key) -> float:
 def _top2(target, prefix: list[int]) -> tuple[float, float]:
     """Top-1 logit of ``target`` after ``prefix`` and its margin over the top-2."""
     model = target.model
-    logits = model(torch.tensor([prefix], device=model.device), logits_to_keep=1).logits[0, -1].float()
+    logits = (
+        forward(model, torch.tensor([prefix], device=model.device), logits_to_keep=1).logits[0, -1].float()
+    )
     top = logits.topk(2).values
     return float(top[0]), float(top[0] - top[1])
 

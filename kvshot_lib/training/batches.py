@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..drafters.unroll import TrainBatch
-from ..target import capture
+from ..target.forward import sequence_features
 
 
 def store_fields(cfg) -> list[str]:
@@ -114,16 +114,13 @@ class StoreBatches(BatchOrder):
 @torch.no_grad()
 def target_sequence(target, ids: Tensor, loss_mask: Tensor, cfg) -> dict[str, Tensor]:
     """One sequence's feature-store fields computed directly from ``target``, in float32 (tests, benchmarks)."""
-    layers = sorted(set(cfg.hidden_layers) | set(cfg.kv_layers))
-    dev = next(target.model.parameters()).device
-    with capture(target.model, layers, hidden=bool(cfg.hidden_layers), kv=bool(cfg.kv_layers)) as rec:
-        out = target.model.model(input_ids=ids[None].to(dev), use_cache=False)
-    seq = {"input_ids": ids, "loss_mask": loss_mask, "final_hidden": out.last_hidden_state[0].float().cpu()}
+    f = sequence_features(target.model, ids[None], cfg.hidden_layers, cfg.kv_layers)
+    seq = {"input_ids": ids, "loss_mask": loss_mask, "final_hidden": f.final[0].float().cpu()}
     for layer in cfg.hidden_layers:
-        seq[f"hidden.{layer}"] = rec.hidden_at(layer)[0].float().cpu()  # [T, H]
+        seq[f"hidden.{layer}"] = f.hidden[layer][0].float().cpu()  # [T, H]
     for layer in cfg.kv_layers:
-        seq[f"keys.{layer}"] = rec.keys_at(layer)[0].transpose(0, 1).float().cpu()  # [T, kvH, D]
-        seq[f"values.{layer}"] = rec.values_at(layer)[0].transpose(0, 1).float().cpu()
+        seq[f"keys.{layer}"] = f.keys[layer][0].transpose(0, 1).float().cpu()  # [T, kvH, D]
+        seq[f"values.{layer}"] = f.values[layer][0].transpose(0, 1).float().cpu()
     return seq
 
 

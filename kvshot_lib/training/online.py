@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..drafters.unroll import TrainBatch
-from ..target import capture
+from ..target.forward import sequence_features
 from .batches import BatchOrder
 
 
@@ -31,17 +31,14 @@ def target_batch(target, seqs: list[tuple[Tensor, Tensor]], cfg) -> TrainBatch:
     """A padded :class:`TrainBatch` of ``[(ids [T], loss_mask [T]), ...]`` computed by ``target`` in one forward.
 
     Features are float32 on the target's device; positions past a sequence's length are zero."""
-    model = target.model
-    dev = next(model.parameters()).device
+    dev = next(target.model.parameters()).device
     lengths = torch.tensor([len(ids) for ids, _ in seqs], dtype=torch.int64)
     B, T = len(seqs), int(lengths.max())
     ids = torch.zeros(B, T, dtype=torch.int64)
     mask = torch.zeros(B, T, dtype=torch.bool)
     for b, (x, m) in enumerate(seqs):
         ids[b, : len(x)], mask[b, : len(x)] = x, m.bool()
-    layers = sorted(set(cfg.hidden_layers) | set(cfg.kv_layers))
-    with capture(model, layers, hidden=bool(cfg.hidden_layers), kv=bool(cfg.kv_layers)) as rec:
-        out = model.model(input_ids=ids.to(dev), use_cache=False)
+    f = sequence_features(target.model, ids, cfg.hidden_layers, cfg.kv_layers)
     inside = (torch.arange(T)[None] < lengths[:, None]).to(dev)  # [B, T]
 
     def clean(x: Tensor) -> Tensor:  # float32, zero past each sequence's end (as collate pads)
@@ -49,17 +46,15 @@ def target_batch(target, seqs: list[tuple[Tensor, Tensor]], cfg) -> TrainBatch:
 
     hidden = keys = values = None
     if cfg.hidden_layers:
-        hidden = clean(
-            torch.cat([rec.hidden_at(layer) for layer in cfg.hidden_layers], dim=-1)
-        )  # [B, T, nL*H]
+        hidden = clean(torch.cat([f.hidden[layer] for layer in cfg.hidden_layers], dim=-1))  # [B, T, nL*H]
     if cfg.kv_layers:
-        keys = clean(torch.cat([rec.keys_at(layer).transpose(1, 2) for layer in cfg.kv_layers], dim=2))
-        values = clean(torch.cat([rec.values_at(layer).transpose(1, 2) for layer in cfg.kv_layers], dim=2))
+        keys = clean(torch.cat([f.keys[layer].transpose(1, 2) for layer in cfg.kv_layers], dim=2))
+        values = clean(torch.cat([f.values[layer].transpose(1, 2) for layer in cfg.kv_layers], dim=2))
     return TrainBatch(
         ids=ids.to(dev),  # [B, T]
         loss_mask=mask.to(dev),  # [B, T]
         lengths=lengths.to(dev),
-        final_hidden=clean(out.last_hidden_state),  # [B, T, H]
+        final_hidden=clean(f.final),  # [B, T, H]
         hidden=hidden,
         keys=keys,  # [B, T, nKV*kvH, D]
         values=values,
