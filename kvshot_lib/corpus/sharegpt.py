@@ -131,6 +131,12 @@ class TokenizedSplit:
     def n_tokens(self) -> int:
         return int(sum(len(x) for x in self.ids))
 
+    def head(self, n: int) -> TokenizedSplit:
+        """The first ``n`` conversations (a prefix of the slice, with the same spec plus ``conversations=n``)."""
+        return TokenizedSplit(
+            self.ids[:n], self.loss_mask[:n], self.source_ids[:n], dict(self.spec, conversations=n), self.counts
+        )
+
     def sequences(self, fields=("input_ids", "loss_mask")):
         """Each conversation as ``{"input_ids", "loss_mask"}`` (what a feature store yields for these fields)."""
         for ids, mask in zip(self.ids, self.loss_mask):

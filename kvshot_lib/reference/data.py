@@ -93,7 +93,19 @@ def train_steps_for(plan: Plan, row: Row, data: RowData) -> int | None:
 
 
 def draft_vocab(plan: Plan, target, size: int):
-    """One draft vocabulary for every row: the original training slice's ``size`` most frequent tokens."""
+    """One draft vocabulary for every row: the ``size`` most frequent assistant tokens of the training slice, in
+    the plan's ``data.vocab_from`` responses (default: the original ones; the on-policy run counts the target's
+    own answers, as SpecForge builds its vocabulary), over its first ``data.vocab_conversations`` conversations
+    where set, so that the vocabulary stays put while more conversations are regenerated."""
     from ..training import build_draft_vocab
 
-    return build_draft_vocab(data_splits(plan, target, "original")[0], target, size)
+    train = data_splits(plan, target, plan.data.get("vocab_from", "original"))[0]
+    n = plan.data.get("vocab_conversations")
+    if n:
+        if len(train) < n:
+            raise PlanError(
+                f"the draft vocabulary counts the first {n} training conversations, but only {len(train)} are "
+                "there yet: regenerate more (--steps regenerate) or lower data.vocab_conversations."
+            )
+        train = train.head(n)
+    return build_draft_vocab(train, target, size)
