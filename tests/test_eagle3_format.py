@@ -15,6 +15,7 @@ from kvshot_lib.drafters import (
     DrafterTargetMismatch,
     build_drafter,
     drafter_config_for,
+    drafters_for_run,
     export_eagle3,
     is_eagle3_folder,
     load_drafter,
@@ -140,3 +141,16 @@ def test_speculators_computes_the_suites_draft_logits(tmp_path, which):
     subprocess.run([*args, str(tmp_path / "out.safetensors")], check=True, capture_output=True, timeout=300)
     theirs = load_file(str(tmp_path / "out.safetensors"))["logits"]
     torch.testing.assert_close(theirs, ours[0], atol=1e-4, rtol=1e-4)
+
+
+def test_the_notebooks_measure_an_eagle3_folder_beside_the_runs_drafters(tiny_llama, tmp_path):
+    """drafters_for_run(extra=[folder]): what notebook 03's extra_drafters hands to the acceptance measurement."""
+    d = trained_like(tiny_llama, "hidden").eval()
+    out = export_eagle3(d, tiny_llama, tmp_path / "public-eagle3")
+    drafters, note = drafters_for_run(None, tiny_llama, ("ngram",), extra=[out])
+    assert set(drafters) == {"ngram", "public-eagle3"} and "from folders: 1" in note
+    ids = torch.randint(0, 3000, (12,), generator=torch.Generator().manual_seed(5))
+    for a, b in zip(
+        unrolled_logits(d, tiny_llama, ids)[0], unrolled_logits(drafters["public-eagle3"], tiny_llama, ids)[0]
+    ):
+        assert torch.equal(a, b)

@@ -4,6 +4,8 @@ vLLM lives in its own environment, ``.venv-serve`` (``make interop-env``: it pin
 :class:`VllmGreedy` starts ``vllm_worker.py`` there once and sends it batches of token-id prompts over a pipe
 (the protocol is in that file). It is a drop-in for :func:`~kvshot_lib.corpus.regenerate.batched_greedy`:
 ``engine(prompts, max_new_tokens)`` returns each prompt's greedy continuation, cut after its first stop token.
+``KVSHOT_VLLM_THREADS`` gives the worker fewer threads than the machine's cores (two OpenMP pools that spin on
+two shared cores slow each other many times over).
 
 Measured on a 2-core Intel Xeon (AVX512-BF16, no AMX), first ShareGPT user turns, 128 new tokens: vLLM CPU in
 bf16 at 245-283 tok/s against 64-90 for ``batched_greedy`` (the brief). :func:`serve_python` says whether the
@@ -13,6 +15,7 @@ environment is there; where it is not, regeneration keeps the suite's own engine
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -66,6 +69,8 @@ class VllmGreedy:
         self.dtype = dtype
         cmd = [str(py), str(WORKER), str(model_folder(target)), "--dtype", dtype]
         cmd += ["--max-model-len", str(max_model_len)]
+        if os.environ.get("KVSHOT_VLLM_THREADS"):  # fewer threads than cores: a CPU shared with other work
+            cmd += ["--threads", os.environ["KVSHOT_VLLM_THREADS"]]
         if spec_model is not None:  # speculative decoding with an EAGLE-3 drafter folder
             cmd += ["--spec-model", str(spec_model), "--spec-k", str(spec_k)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)

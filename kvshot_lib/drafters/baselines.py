@@ -289,17 +289,27 @@ def drafter_for_target(drafter, target, dtype: torch.dtype | None = None):
 
 
 def drafters_for_run(
-    run_dir: str | Path | None, target, baselines=BASELINES, seed: int = 0, dtype: torch.dtype | None = None
+    run_dir: str | Path | None,
+    target,
+    baselines=BASELINES,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+    extra=(),
 ) -> tuple[dict, str]:
     """The baseline drafters named in ``baselines`` plus every trained checkpoint under ``<run_dir>/drafters/``
-    (labelled by folder name, weights in ``dtype`` when given; none when ``run_dir`` is None), and a one-line
+    (labelled by folder name, weights in ``dtype`` when given; none when ``run_dir`` is None), plus the drafter
+    folders in ``extra`` (any checkpoint, e.g. a public EAGLE-3 drafter in the layout vLLM loads), and a one-line
     note saying what was found."""
     unknown = [b for b in baselines if not is_baseline_name(b)]
     if unknown:
         raise ValueError(f"Unknown baseline drafters {unknown}; use any of {BASELINES} or early-exit-<n>.")
     drafters = {name: resolve_drafter(name, target, seed) for name in baselines}
+    for folder in extra:
+        drafters[Path(folder).name] = resolve_drafter(str(folder), target, seed, dtype)
     if run_dir is None:
-        return drafters, f"Baselines: {', '.join(baselines)}."
+        return drafters, f"Baselines: {', '.join(baselines)}" + (
+            f"; from folders: {len(extra)}." if extra else "."
+        )
     root = Path(run_dir) / "drafters"
     folders = sorted(p for p in root.glob("*") if p.is_dir()) if root.is_dir() else []
     trained = {}
