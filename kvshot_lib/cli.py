@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import runner
+from . import doctor, runner
 from .corpus import FeatureStoreMismatch
 from .decoding import cli as generate_cli
 from .drafters import DrafterConfigError, DrafterTargetMismatch
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     generate_cli.add_cli(sub)  # kvshot generate
     bench_cli.add_cli(sub)  # kvshot bench
     export_cli.add_cli(sub)  # kvshot export
+    doctor.add_cli(sub)  # kvshot doctor
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -1,6 +1,9 @@
 """The reference drafters committed in ``checkpoints/reference/``, as a fresh clone has them: within the size
 limits, bf16 trainable weights only, loading on the CPU with SmolLM2, refusing another target, and decoding
-losslessly (chain and tree equal to plain greedy decoding) with no training and nothing under ``runs/``."""
+losslessly (chain and tree equal to plain greedy decoding) with no training and nothing under ``runs/``; and no
+committed file under ``checkpoints/`` or ``figures/`` records a path of the machine that wrote it."""
+
+import subprocess
 
 import pytest
 from conftest import assert_bf16_trainable_weights
@@ -50,3 +53,24 @@ def test_a_committed_drafter_decodes_losslessly(smollm2, row):
         out = generate(smollm2, prompt, cfg, drafter)
         assert out.token_ids == plain.token_ids, mode
         assert sum(out.accepted_per_cycle) > 0, mode  # a trained drafter: some drafts are accepted
+
+
+def committed_files(*folders: str) -> list:
+    """The files git tracks under ``folders`` (every file there where the checkout has no git)."""
+    done = subprocess.run(["git", "ls-files", *folders], cwd=REPO_ROOT, capture_output=True, text=True)
+    if done.returncode == 0 and done.stdout.strip():
+        return [REPO_ROOT / f for f in done.stdout.split()]
+    return [f for d in folders for f in (REPO_ROOT / d).rglob("*") if f.is_file()]
+
+
+def test_no_committed_result_records_an_absolute_machine_path():
+    files = committed_files("checkpoints", "figures")
+    assert any(f.name == "config.json" for f in files) and any(f.suffix == ".csv" for f in files)
+    found = [
+        f"{f.relative_to(REPO_ROOT)}: {root.decode()}"
+        for f in files
+        for root in (b"/work/", b"/root/", b"/home/", b"/tmp/", b"/Users/")
+        if root in f.read_bytes()
+    ]
+    fix = "record stores and files by name or hash, not by this machine's path"
+    assert not found, fix + ":\n" + "\n".join(found)

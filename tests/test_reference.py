@@ -98,6 +98,8 @@ def test_online_training_has_the_store_losses(peaky, splits, stores, tmp_path, p
         for key in ("acc_0", "acc_2", "ce_0", "ceiling"):
             assert eb[key] == pytest.approx(ea[key], rel=1e-4, abs=1e-5), (ea["step"], key)
     assert "online" in load_drafter(tmp_path / "online", peaky).cfg.extra["train_store"]
+    extra = load_drafter(tmp_path / "store", peaky).cfg.extra  # a store by its folder's name, never a path
+    assert (extra["train_store"], extra["eval_store"]) == ("train", "eval")
 
 
 def test_wrong_data_kind_is_refused_before_training(peaky, splits, stores, tmp_path):

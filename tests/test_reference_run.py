@@ -11,8 +11,8 @@ import pytest
 
 from kvshot_lib.corpus import FeatureStore
 from kvshot_lib.plots import redraw
-from kvshot_lib.reference import PlanError, load_plan, run_reference, status
-from kvshot_lib.target import load_target
+from kvshot_lib.reference import PlanError, load_plan, run_reference, status, tables
+from kvshot_lib.target import cache_dir, load_target
 from kvshot_lib.training import budget_note
 
 ROWS = ["none-ttt", "hidden-ttt", "kv-ttt", "kv-ttt-zeroed", "hybrid-ttt", "hybrid-ttt-zeroed", "kv-ttt-tinit",
@@ -51,6 +51,21 @@ def test_the_reference_plan_is_the_issues():
     )  # never the real run's folders
 
 
+def test_a_bad_plan_is_refused_before_anything_runs(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "parameters: {target: tiny-llama}\nreference:\n  data: {responses: original}\n  training: {}\n"
+        "  rows: [{name: a, paradigm: hidden, regime: tt}]\n"
+    )
+    with pytest.raises(PlanError, match="row 'a': .*regime"):
+        load_plan(str(bad))
+    bad.write_text(bad.read_text().replace("regime: tt", "regime: ttt") + "  eval: {rows: [a, b]}\n")
+    with pytest.raises(PlanError, match=r"eval.rows names rows \['b'\]"):
+        load_plan(str(bad))
+    bad.write_text(bad.read_text().replace("rows: [a, b]", "rows: [a]"))
+    assert load_plan(str(bad)).eval_rows() == ["a"]
+
+
 def test_a_smoke_run_trains_every_row_and_writes_table_5(tmp_path):
     plan = load_plan("reference", smoke=True)
     record = run_reference(plan, "cpu", ("train",), root=tmp_path, progress=False, figures=False)
@@ -62,7 +77,8 @@ def test_a_smoke_run_trains_every_row_and_writes_table_5(tmp_path):
     trained = json.loads(
         (tmp_path / "runs" / "reference-smoke" / "drafters" / "none-ttt" / "config.json").read_text()
     )
-    store = FeatureStore(trained["extra"]["train_store"])  # the one store every row read
+    # the one store every row read, recorded by its folder's name under <cache>/features/
+    store = FeatureStore(cache_dir() / "features" / trained["extra"]["train_store"])
     assert (
         store.n_tokens == rows["unique_tokens"].iloc[0] and len(store) == plan.data["n_train_conversations"]
     )
@@ -78,7 +94,7 @@ def test_a_smoke_run_trains_every_row_and_writes_table_5(tmp_path):
         cfg = json.loads(
             (tmp_path / "runs" / "reference-smoke" / "drafters" / name / "config.json").read_text()
         )
-        assert cfg["extra"]["train_store"] == str(store.path)  # one store for every row
+        assert cfg["extra"]["train_store"] == store.path.name  # one store for every row, by name, not path
     # the KV ablation covers every KV reader, three conditions each; the gate statistics the hybrids
     ablation = pd.read_csv(data / "kv_ablation.csv")
     assert set(ablation["drafter"]) == KV_READERS
@@ -166,3 +182,11 @@ def test_a_smoke_run_trains_every_row_and_writes_table_5(tmp_path):
     )
     with pytest.raises(PlanError, match="steps"):
         run_reference(plan, "cpu", ("fly",), root=tmp_path)
+
+
+def test_significant_rounds_float_columns_once():
+    df = pd.DataFrame(dict(step=[1, 2], loss=[150.11708068847656, 1e-05], acc=[0.0030864197530864196, 0.0]))
+    got = tables.significant(df, 5)
+    assert got["loss"].tolist() == [150.12, 1e-05] and got["acc"].tolist() == [0.0030864, 0.0]
+    assert got["step"].tolist() == [1, 2] and got["step"].dtype == df["step"].dtype  # integers untouched
+    pd.testing.assert_frame_equal(tables.significant(got, 5), got)  # rounding again changes nothing

@@ -168,7 +168,7 @@ def test_a_row_without_a_saved_state_is_refused(tmp_path):
 
 
 def test_query_error_at_init_pairs_two_drafters_on_the_same_turns():
-    sys.path.insert(0, str(SCRIPTS))  # as test_reference_driver imports the transport beside it
+    sys.path.insert(0, str(SCRIPTS))  # the script is a file beside the library, not a module of it
     import query_error_at_init
 
     # out_err of drafters a, b and c on three turns x two draft steps, and the stale query's (which the pairing

@@ -134,7 +134,11 @@ class TokenizedSplit:
     def head(self, n: int) -> TokenizedSplit:
         """The first ``n`` conversations (a prefix of the slice, with the same spec plus ``conversations=n``)."""
         return TokenizedSplit(
-            self.ids[:n], self.loss_mask[:n], self.source_ids[:n], dict(self.spec, conversations=n), self.counts
+            self.ids[:n],
+            self.loss_mask[:n],
+            self.source_ids[:n],
+            dict(self.spec, conversations=n),
+            self.counts,
         )
 
     def sequences(self, fields=("input_ids", "loss_mask")):

@@ -12,7 +12,7 @@ replacement (:func:`resample`), and recomputes the statistic from the drawn unit
   pairs (from :func:`generation_table`).
 * :func:`bootstrap_acceptance`: acceptance by step, MAT and retention of decoding runs, resampling generations,
   each recomputed exactly as :func:`~.acceptance.acceptance_summary` computes it
-  (``tests/test_reference_driver.py`` checks the point values against the summary and that the interval
+  (``tests/test_metrics.py`` checks the point values against the summary and that the interval
   contains them).
 """
 

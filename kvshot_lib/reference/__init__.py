@@ -7,20 +7,15 @@ them on MT-bench and runs the profile's notebooks; :mod:`.checkpoints` copies th
 ``checkpoints/<run>/``; :mod:`.tables` writes the run's tables (Table 5 among them) and figures into
 ``runs/<run>/`` and ``figures/<run>/``. The command line is ``python -m kvshot_lib.reference``
 (:mod:`.__main__`); README's "Reference run" section shows the calls.
-
-A remote GPU with limits of its own (minutes per command, files per call) is a transport, not a stage:
-``scripts/reference/`` packs the assets, time-boxes jobs around these functions and merges what comes back
-(the ``reference-gpu`` profile).
 """
 
 from . import checkpoints, data, plan, run, tables
 from .checkpoints import commit_checkpoint, folder_bytes
-from .plan import Job, Plan, PlanError, Row, load_plan
+from .plan import Plan, PlanError, Row, load_plan
 from .run import run_reference, status
 from .tables import update_run
 
 __all__ = [
-    "Job",
     "Plan",
     "PlanError",
     "Row",

@@ -1,4 +1,4 @@
-"""The reference run's plan: the ``reference`` section of a profile as validated rows (and optional jobs).
+"""The reference run's plan: the ``reference`` section of a profile as validated rows.
 
 A row is one line of the paper's Table 5 at SmolLM2 scale: a name, the :class:`TrainConfig` parameters that
 differ from the shared ``training`` ones, and three keys of its own:
@@ -14,10 +14,7 @@ most, turned into optimizer steps on the data, see :func:`~.data.train_steps_for
 of the committed checkpoints), ``eval`` (MT-bench; ``rows`` defaults to every trained row) and ``notebooks``
 (parameters of the profile's notebooks when the run executes them).
 
-Jobs are for the time-boxed remote GPU transport only (``scripts/reference/``, the ``reference-gpu`` profile): a
-job is one device command: ``kind: train`` (the default) trains its rows one after the other within the job's
-minutes; ``kind: regenerate`` regenerates ShareGPT responses with the target; ``kind: eval`` measures its rows on
-MT-bench. :func:`load_plan` validates all of it (unknown rows, cycles, bad parameters) before anything runs;
+:func:`load_plan` validates all of it (unknown rows, cycles, bad parameters) before anything runs;
 ``smoke=True`` applies the profile's ``smoke`` overrides (the whole path on a tiny target on the CPU), and the run
 then writes under ``<profile>-smoke`` (:attr:`Plan.run_name`) so it never overwrites the real run's outputs.
 """
@@ -31,7 +28,6 @@ from ..runner import load_profile
 from ..training import TrainConfig, TrainConfigError
 
 ROW_KEYS = ("name", "like", "headline", "responses", "paper")
-JOB_KINDS = ("train", "regenerate", "eval")
 RESPONSES = ("regenerated", "original")
 
 
@@ -53,25 +49,15 @@ class Row:
 
 
 @dataclass
-class Job:
-    name: str
-    kind: str
-    rows: list[str] = field(default_factory=list)
-    minutes: float = 9.0
-
-
-@dataclass
 class Plan:
     profile: str
     target: str
     device: str
     dtype: str
     seed: int
-    minutes: float
     data: dict
     training: dict
     rows: dict[str, Row]
-    jobs: dict[str, Job]
     eval: dict
     smoke: bool = False
     budget: dict = field(default_factory=dict)  # token_passes: the cap of every row
@@ -86,11 +72,6 @@ class Plan:
         """The folder name of the run's outputs (runs/, figures/, checkpoints/): the profile's, or ``-smoke``."""
         return f"{self.profile}-smoke" if self.smoke else self.profile
 
-    def job(self, name: str) -> Job:
-        if name not in self.jobs:
-            raise PlanError(f"unknown job {name!r}; the plan's jobs are {list(self.jobs)}.")
-        return self.jobs[name]
-
     def row(self, name: str) -> Row:
         if name not in self.rows:
             raise PlanError(f"unknown row {name!r}; the plan's rows are {list(self.rows)}.")
@@ -100,14 +81,12 @@ class Plan:
         return [n for n, r in self.rows.items() if r.headline]
 
     def training_order(self) -> list[str]:
-        """Every row in the order it trains: the train jobs' order where there are jobs, then the plan's."""
-        order = [r for job in self.jobs.values() if job.kind == "train" for r in job.rows]
-        return list(dict.fromkeys(order + list(self.rows)))
+        """Every row, in the order it trains: the plan's."""
+        return list(self.rows)
 
     def eval_rows(self) -> list[str]:
-        """The rows measured on MT-bench: the eval jobs', else ``eval.rows``, else every row."""
-        named = [r for job in self.jobs.values() if job.kind == "eval" for r in job.rows]
-        return named or list(self.eval.get("rows") or self.rows)
+        """The rows measured on MT-bench: ``eval.rows``, else every row."""
+        return list(self.eval.get("rows") or self.rows)
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -129,9 +108,7 @@ def load_plan(profile: str = "reference", smoke: bool = False) -> Plan:
     path = PROFILE_DIR / f"{profile}.yaml" if (PROFILE_DIR / f"{profile}.yaml").is_file() else profile
     raw = (yaml.safe_load(open(path)) or {}).get("reference")
     if not isinstance(raw, dict):
-        raise PlanError(
-            f"profile {prof.name!r} has no 'reference' section (rows and jobs of the reference run)."
-        )
+        raise PlanError(f"profile {prof.name!r} has no 'reference' section (the rows of the reference run).")
     params = dict(prof.parameters)
     if smoke:
         sm = raw.get("smoke") or {}
@@ -145,25 +122,6 @@ def load_plan(profile: str = "reference", smoke: bool = False) -> Plan:
         raw.get("best_kv_mode", "concat"),
         raw["data"].get("responses", "regenerated"),
     )
-    minutes = float(raw.get("minutes", 9.0))
-    jobs = {}
-    for spec in raw.get("jobs") or []:
-        job = Job(
-            spec["name"],
-            spec.get("kind", "train"),
-            list(spec.get("rows", [])),
-            float(spec.get("minutes", minutes)),
-        )
-        if job.kind not in JOB_KINDS:
-            raise PlanError(f"job {job.name!r}: kind must be one of {JOB_KINDS}, got {job.kind!r}.")
-        missing = [r for r in job.rows if r not in rows]
-        if missing:
-            raise PlanError(f"job {job.name!r} names rows {missing} that the plan does not define.")
-        if job.kind == "train" and not job.rows:
-            raise PlanError(f"job {job.name!r} trains no rows.")
-        if job.name in jobs:
-            raise PlanError(f"job {job.name!r} appears twice.")
-        jobs[job.name] = job
     bad = [c for c in raw.get("comparisons") or [] if len(c) != 2 or not set(c) <= set(rows)]
     if bad:
         raise PlanError(f"comparisons must be [drafter, minus] pairs of the plan's rows; got {bad}.")
@@ -177,11 +135,9 @@ def load_plan(profile: str = "reference", smoke: bool = False) -> Plan:
         device=params.get("device", "auto"),
         dtype=params.get("dtype", "auto"),
         seed=int(params.get("seed", 0)),
-        minutes=minutes,
         data=raw["data"],
         training=training,
         rows=rows,
-        jobs=jobs,
         eval=ev,
         smoke=smoke,
         budget=dict(raw.get("budget") or {}),

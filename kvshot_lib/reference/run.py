@@ -6,7 +6,7 @@
 :func:`run_reference` does the steps in order, and rewrites the run's tables and figures after each trained
 row and after the evaluation (:func:`~.tables.update_run`), so a run stopped half-way keeps what it finished:
 
-* ``regenerate`` (plans with ``responses: regenerated``, a GPU's job): the target's own greedy answers to the
+* ``regenerate`` (plans with ``responses: regenerated``, best on a GPU): the target's own greedy answers to the
   held-out, then the training ShareGPT slice (:func:`regenerate_split`; resumable, cached as JSON);
 * ``train``: every row of the plan in order (or the rows asked for), on one held-out set and one draft vocabulary
   (:mod:`.data`): each row trains to the plan's plateau rule or its token-pass cap (:func:`train_row`), resumes
@@ -18,16 +18,12 @@ row and after the evaluation (:func:`~.tables.update_run`), so a run stopped hal
   temperature 0 by greedy replay, then a chain at temperature 1 with the engine on a subset (:func:`evaluate`);
 * ``notebooks``: the profile's notebooks (notebook 04: query-estimation error and the causal check of the KV
   readers) through the runner, on the same ``runs/<run>/`` and ``figures/<run>/``.
-
-Each piece takes what it needs as arguments, so a runner with limits of its own (the time-boxed remote jobs of
-``scripts/reference/``) calls the same functions.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -76,26 +72,24 @@ def drafter_dir(plan: Plan, root: Path = REPO_ROOT) -> Path:
     return Path(root) / "runs" / plan.run_name / "drafters"
 
 
-def checkpoint_path(plan: Plan, name: str, trained_in: Path | None = None, root: Path = REPO_ROOT) -> Path:
-    """A trained row's checkpoint: in ``trained_in`` (a runner's own folder), else ``runs/<run>/drafters/``,
-    else the committed ``checkpoints/<run>/``."""
-    places = (*([Path(trained_in) / name] if trained_in else []), drafter_dir(plan, root) / name)
-    places += (Path(root) / "checkpoints" / plan.run_name / name,)
+def checkpoint_path(plan: Plan, name: str, root: Path = REPO_ROOT) -> Path:
+    """A trained row's checkpoint: in ``runs/<run>/drafters/``, else the committed ``checkpoints/<run>/``."""
+    places = (drafter_dir(plan, root) / name, Path(root) / "checkpoints" / plan.run_name / name)
     for path in places:
         if (path / "config.json").is_file():
             return path
     raise PlanError(
-        f"no checkpoint of row {name!r} in {', '.join(map(str, places))}. Train it first, carry "
-        f"runs/{plan.run_name}/drafters/{name} with the call (or evaluate other rows with --rows)."
+        f"no checkpoint of row {name!r} in {', '.join(map(str, places))}. Train it first "
+        f"(--steps train --rows {name}), or evaluate other rows with --rows."
     )
 
 
-def init_path(plan: Plan, row: Row, trained_in: Path | None = None) -> str | None:
+def init_path(plan: Plan, row: Row, root: Path = REPO_ROOT) -> str | None:
     """The checkpoint a row starts from (``init_from: <row>``), if any."""
     if row.init_row is None:
         return None
     try:
-        return str(checkpoint_path(plan, row.init_row, trained_in))
+        return str(checkpoint_path(plan, row.init_row, root))
     except PlanError as e:
         raise PlanError(f"row {row.name!r} starts from row {row.init_row!r}: {e}") from None
 
@@ -164,7 +158,7 @@ def train_rows(plan: Plan, target, names: list[str], root: Path, progress: bool,
         d2t = d2t if d2t is not None else draft_vocab(plan, target, row.train_config().draft_vocab_size)
         steps = train_steps_for(plan, row, data[key])
         own = dict({"train_steps": steps} if steps else {}, **overrides)
-        init = init_path(plan, row, out_dir)
+        init = init_path(plan, row, root)
         result, summary = train_row(plan, row, target, data[key], d2t, out_dir / name, init, progress, **own)
         summary["paper_row"] = row.paper
         if row.headline:
@@ -200,15 +194,12 @@ def evaluate(
     plan: Plan,
     target,
     drafters: dict,
-    keep_going: Callable[[float], bool] = lambda seconds: True,
-    on_progress: Callable[[list, list], None] | None = None,
     progress: bool = True,
     cache: Path | None = None,
 ):
     """MT-bench acceptance of ``drafters`` (``{name: drafter}``): chain and tree at temperature 0 by greedy replay
-    on greedy references decoded in batches, then a chain at temperature 1 with the engine. ``keep_going(seconds)`` is asked
-    before each measurement (a runner's clock); ``on_progress(runs, done)`` after each; ``cache``: the JSON file
-    that keeps the greedy references (notebook 04 reads the same ones). Returns (runs, done)."""
+    on greedy references decoded in batches, then a chain at temperature 1 with the engine. ``cache``: the JSON
+    file that keeps the greedy references (notebook 04 reads the same ones). Returns (runs, done)."""
     from ..decoding import DecodeConfig
     from ..evaluation import acceptance
 
@@ -228,22 +219,14 @@ def evaluate(
     runs, done = [], []
     for mode in ("chain", "tree"):
         for name, d in drafters.items():
-            if not keep_going(30):
-                break
             runs += acceptance.run_greedy_replay(
                 target, {name: d}, refs, {mode: cfgs[mode]}, progress=progress
             )
             done.append(dict(drafter=name, mode=mode, temperature=0.0))
-            if on_progress is not None:
-                on_progress(runs, done)
     for name, d in drafters.items():  # temperature 1: the engine, one generation at a time
-        if not keep_going(120):
-            break
         sampled = {"chain": dataclasses.replace(cfgs["chain"], temperature=1.0)}
         runs += acceptance.run_engine(target, {name: d}, e["n_questions_sampled"], sampled, progress=progress)
         done.append(dict(drafter=name, mode="chain", temperature=1.0))
-        if on_progress is not None:
-            on_progress(runs, done)
     return runs, done
 
 

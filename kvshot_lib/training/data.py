@@ -45,9 +45,11 @@ def check_data(cfg, train_data, eval_data) -> None:
 
 
 def describe_data(data) -> str:
-    """A short record of the data, for the checkpoint's metadata."""
+    """A short record of the data, for the checkpoint's metadata (``train_store``, ``eval_store``): a feature
+    store by its folder's name, the target and a hash of what was extracted (``smollm2-135m-3b8c463ff23c``, under
+    ``<cache>/features/``), never this machine's path; online data by its split's spec."""
     if is_feature_store(data):
-        return str(data.path)
+        return Path(data.path).name
     spec = getattr(data, "spec", {}) or {}
     return "online: " + ", ".join(f"{k}={spec[k]}" for k in sorted(spec) if k != "tokenizer")
 
