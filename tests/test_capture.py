@@ -79,7 +79,9 @@ def test_everything_is_undone_even_when_the_forward_raises(tiny_llama):
     model = tiny_llama.model
     blocks = decoder_layers(model)
     impl = model.config._attn_implementation
-    before = [dict(b._forward_hooks) for b in blocks]  # transformers may keep hooks of its own (hidden states)
+    before = [
+        dict(b._forward_hooks) for b in blocks
+    ]  # transformers may keep hooks of its own (hidden states)
     with pytest.raises(RuntimeError, match="boom"):
         with capture(model, LAYERS, hidden=True, kv=True, queries=True):
             model(_ids(6, (1, 5)))

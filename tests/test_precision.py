@@ -1,5 +1,8 @@
-"""Precision follows the hardware: ``auto`` on a CPU without bf16, bf16 refused there before any work, bf16
-training against float32 (one step's gradients, a 50-step loss curve), bf16 feature stores."""
+"""Precision follows the hardware: ``auto`` on a CPU without bf16, measured where bf16 is native, bf16 refused
+where it is not before any work, bf16 training against float32 (one step's gradients, a 50-step loss curve),
+bf16 feature stores."""
+
+import json
 
 import pytest
 import torch
@@ -19,7 +22,8 @@ def no_bf16_cpu(monkeypatch):
     monkeypatch.setattr(precision_module, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
 
 
-def test_auto_picks_bf16_only_where_the_cpu_has_it(no_bf16_cpu):
+def test_auto_picks_bf16_only_where_the_cpu_has_it(no_bf16_cpu, monkeypatch):
+    monkeypatch.setattr(precision_module, "time_train_probe", None)  # nothing is timed: calling it would fail
     assert resolve_precision("auto", "cpu") == "no"
     assert resolve_precision("no", "cpu") == "no"
     with pytest.raises(PrecisionError, match="neither AMX-BF16 nor AVX512-BF16"):
@@ -28,8 +32,13 @@ def test_auto_picks_bf16_only_where_the_cpu_has_it(no_bf16_cpu):
         resolve_precision("fp16", "cpu")
 
 
-def test_auto_picks_bf16_on_an_amx_cpu(amx_cpu):
-    assert resolve_precision("auto", "cpu") == "bf16"
+def test_auto_on_an_amx_cpu_is_measured_not_read_from_the_flags(amx_cpu, tmp_path, monkeypatch):
+    """The flags allow bf16; the cached probe decides (both outcomes: tests/test_precision_choice.py)."""
+    monkeypatch.setenv("KVSHOT_CACHE", str(tmp_path))
+    monkeypatch.setattr(precision_module, "_CHOSEN", {})
+    probes = {precision_module.train_probe_key(p, "cpu"): s for p, s in (("fp32", 0.05), ("bf16", 0.08))}
+    (tmp_path / "precision_probes.json").write_text(json.dumps(probes))
+    assert resolve_precision("auto", "cpu") == "no"  # bf16 measured slower
     assert precision_module.bf16_isa() == "amx_bf16 amx_tile avx512_bf16"
 
 

@@ -292,9 +292,10 @@ def _cli_generate(args) -> int:
 
 def _in_precision(target, drafter, precision: str):
     """The target cast to ``precision`` (a copy unless it is in that dtype already) and the drafter bound to it."""
-    from ..target import cast_target, decode_dtype
+    from ..target import cast_target
+    from .cost_model import decode_precision
 
-    dtype = decode_dtype(precision, target.info.device)
+    dtype = decode_precision(target, precision)  # auto: the faster of fp32 and bf16 here, as measured
     cast = cast_target(target, dtype)
     if cast is target:
         return target, drafter

@@ -20,6 +20,11 @@ a bigger block never costs less, and one lucky or unlucky timing does not bend t
 :func:`cost_model_for` loads the entry for (CPU model, torch version, threads, target architecture, dtype) from
 ``<cache>/cost_models.json`` and measures what is missing (about a minute for the target, seconds per drafter);
 ``CostModel.from_dict`` rebuilds a synthetic one for tests.
+
+``--precision auto`` decodes in the precision whose plain decoding step is faster here (:func:`decode_precision`):
+:func:`plain_step_s` is ``verify_chain[1]``, a one-token forward on the cache, read from the cached cost model of
+each dtype, or measured alone where none is cached (that one size, seconds) and cached beside them. The choice
+and both timings are printed once per process (``target.precision.PrecisionChoice``).
 """
 
 from __future__ import annotations
@@ -33,7 +38,15 @@ import torch
 
 from ..drafters.tree_mask import ancestor_matrix, tree_attention_mask
 from ..target.forward import crop, forward, new_cache
-from ..target.precision import cpu_model, precision_label
+from ..target.loading import cast_target
+from ..target.precision import (
+    DTYPES,
+    PrecisionChoice,
+    cpu_model,
+    decode_choice,
+    decode_dtype,
+    precision_label,
+)
 from .cycle import DecodeConfig, keep_block_positions
 from .engine import speculative_generate
 from .kernels import small_batch_linear
@@ -322,3 +335,50 @@ def cost_model_for(
     if missing or entry.get("drafters") is None or key not in _read_disk():
         _write_disk(key, model.as_dict())
     return model
+
+
+# ----------------------------------------------------------------------------- the precision of ``auto``
+
+PLAIN_STEP = "plain-step"  # the key prefix of a plain decoding step measured alone
+PLAIN_STEP_REPS = 6  # its timed repetitions, after a warm-up (the cost model's full measurement takes 12)
+
+
+def plain_step_s(target, context: int = 256, kernel: bool = True) -> float:
+    """Seconds of one plain decoding step of ``target`` in its dtype (a one-token forward on a cache of ``context``
+    tokens): ``verify_chain[1]`` of its cached cost model; where none is cached, that size measured alone (the
+    fastest of :data:`PLAIN_STEP_REPS`) and cached in ``<cache>/cost_models.json`` beside the cost models."""
+    key = cost_key(target, kernel)
+    disk = _read_disk()
+    entry = disk.get(key)
+    if entry is not None and int(entry.get("context", -1)) == context:
+        step = CostModel.from_dict(entry).verify_chain.get(1)
+        if step is not None:
+            return step
+    alone = disk.get(f"{PLAIN_STEP}|{key}")
+    if alone is not None and int(alone.get("context", -1)) == context:
+        return float(alone["seconds"])
+    chain, _, _ = measure_verification(target, context, sizes=(1,), reps=PLAIN_STEP_REPS, kernel=kernel)
+    _write_disk(f"{PLAIN_STEP}|{key}", dict(context=context, seconds=chain[1]))
+    return chain[1]
+
+
+def decode_choice_for(target, context: int = 256, kernel: bool = True) -> PrecisionChoice:
+    """What ``auto`` decodes ``target`` in on this machine: the precision whose :func:`plain_step_s` is faster
+    (bf16 by at least ``target.precision.BF16_MIN_GAIN``); fp32, timing nothing, where bf16 is not native."""
+
+    def step(label: str) -> float:
+        return plain_step_s(cast_target(target, DTYPES[label]), context, kernel)
+
+    basis = (
+        f"one plain decoding step of {target.info.name} on {context} cached tokens, "
+        f"{torch.get_num_threads()} threads, from its cost model"
+    )
+    return decode_choice(target.info.device, step, basis)
+
+
+def decode_precision(target, precision: str = "auto", kernel: bool = True) -> torch.dtype:
+    """The dtype to decode ``target`` in: ``fp32`` or ``bf16`` as asked (``target.precision.decode_dtype``), or for
+    ``auto`` the faster one here (:func:`decode_choice_for`)."""
+    if precision == "auto":
+        return DTYPES[decode_choice_for(target, kernel=kernel).precision]
+    return decode_dtype(precision, target.info.device)

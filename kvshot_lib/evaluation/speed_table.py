@@ -2,8 +2,10 @@
 
 * :func:`runs_table`: one row per method, drafter, temperature, precision and repetition: tokens/s (new tokens
   over wall time, prefill included), speedup over ``ar`` of the same precision, temperature and repetition, MAT,
-  the exact-match rate against that ``ar`` at temperature 0, and seconds per phase (prefill, draft, verify,
-  commit);
+  the exact-match rate against that ``ar`` at temperature 0 (beside every speed, bf16's included: the share of
+  greedy outputs equal to plain decoding in the same precision), what ``--precision auto`` chose with its two
+  plain-step timings (:data:`AUTO_COLUMNS`, empty where auto was not asked for), and seconds per phase (prefill,
+  draft, verify, commit);
 * :func:`speedup_table`: the same summarized over repetitions: the median tokens/s and speedup with their
   min-max range, phases per cycle, and ``mat_for_1_5x``: the MAT that would make the method's measured cycle
   1.5x faster per token than plain decoding's measured step (decode time only);
@@ -26,6 +28,7 @@ import torch
 
 from ..target import bf16_tier, cpu_model
 from ..target.forward import forward
+from ..target.precision import PrecisionChoice
 from . import metrics
 
 
@@ -68,6 +71,15 @@ FIRST_COLUMNS = [
 ]
 
 
+# what "auto" chose for decoding and the plain-step ms it measured in fp32 and bf16 (target.precision)
+AUTO_COLUMNS = list(PrecisionChoice("decode", "").record())
+
+
+def _auto(m) -> dict:
+    """``m``'s :data:`AUTO_COLUMNS`: "" and NaN where ``auto`` was not asked for."""
+    return {**PrecisionChoice("decode", "").record(), **getattr(m, "auto", {})}
+
+
 def _reps(m) -> list[int]:
     return m.reps if len(m.reps) == len(m.results) else [0] * len(m.results)
 
@@ -102,6 +114,7 @@ def runs_table(plan, machine: str | None = None) -> pd.DataFrame:
                     drafter=m.drafter,
                     temperature=m.cfg.temperature,
                     precision=m.precision,
+                    **_auto(m),
                     rep=rep,
                     tokens_per_s=_tps(results),
                     speedup_vs_ar=metrics.speedup(_tps(results), _tps(base[rep])),
@@ -156,6 +169,7 @@ def speedup_table(plan, machine: str | None = None) -> pd.DataFrame:
                 mat=metrics.mean_accepted_tokens(all_cycles) if method in SPECULATIVE else math.nan,
                 exact_match_vs_ar=g["exact_match_vs_ar"].mean(),
                 precision=p,
+                **{c: g[c].iloc[0] for c in AUTO_COLUMNS},
                 shape=shape,
                 lookup=bool(lookup),
                 tokens_per_s_min=g["tokens_per_s"].min(),

@@ -10,11 +10,14 @@ Methods (:data:`METHODS`):
 * ``hf_generate``: Hugging Face's ``generate`` (greedy, or sampling at temperature > 0);
 * ``hf_prompt_lookup``: ``generate`` with ``prompt_lookup_num_tokens`` (greedy only).
 
-Each *precision* (``fp32``, the exact reference; ``bf16`` where the CPU has it) is a :class:`Setup`: the target
-cast to it, and the drafters bound to that copy and cast with it. For fairness the repetitions are the outer
-loop, then the prompts, then the precisions, then the methods, so that a slow spell of a shared machine hits
-every method alike; one untimed warm-up generation per method runs first. Every speedup is a ratio against
-``ar`` of the same precision, temperature and repetition (:mod:`.speed_table`).
+Each *precision* (``fp32``, the exact reference; ``bf16`` where the CPU has it; ``auto``, the one whose plain
+decoding step the cost model measures faster here, see ``decoding.cost_model.decode_choice_for``) is a
+:class:`Setup`: the target cast to it, and the drafters bound to that copy and cast with it. What ``auto`` chose,
+with both timings, goes into every row of the tables (:data:`.speed_table.AUTO_COLUMNS`). For fairness the
+repetitions are the outer loop, then the prompts, then the precisions, then the methods, so that a slow spell of
+a shared machine hits every method alike; one untimed warm-up generation per method runs first. Every speedup
+is a ratio against ``ar`` of the same precision, temperature and repetition (:mod:`.speed_table`), and every
+greedy row carries the share of its outputs equal to that ``ar``'s (``exact_match_vs_ar``).
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ import torch
 from tqdm.auto import tqdm
 
 from ..corpus import answer_text, chat_prompt_ids, load_mtbench, mtbench_messages
-from ..decoding.cost_model import cost_model_for
+from ..decoding.cost_model import cost_model_for, decode_choice_for
 from ..decoding.cycle import DecodeConfig, GenerationResult, stop_tokens
 from ..decoding.dispatch import generate
 from ..decoding.shapes import SpeedModel
 from ..drafters import NgramDrafter, drafter_for_target
 from ..target import cast_target, decode_dtype, precision_label
+from ..target.precision import DTYPES, PrecisionChoice
 from .speed_table import machine_info, machine_name, speedup_table
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup")
@@ -73,14 +77,17 @@ class Setup:
     precision: str  # "fp32" | "bf16" | ...
     target: object
     drafters: dict
+    auto: PrecisionChoice | None = None  # what "auto" chose in this benchmark (None: it was not asked for)
 
 
 def precision_setups(target, drafters: dict, precisions=("fp32",)) -> list[Setup]:
-    """A :class:`Setup` per precision (``fp32``, ``bf16`` or ``auto``, see ``target.decode_dtype``): the target
-    cast to it (a copy, unless it is already in that dtype) and every drafter bound to that copy, in its dtype."""
+    """A :class:`Setup` per precision (``fp32``, ``bf16``, or ``auto``: the faster for plain decoding here, by
+    ``decoding.cost_model.decode_choice_for``): the target cast to it (a copy, unless it is already in that
+    dtype) and every drafter bound to that copy, in its dtype. Every setup carries the ``auto`` choice."""
     setups = []
+    auto = decode_choice_for(target) if "auto" in precisions else None
     for p in precisions:
-        dtype = decode_dtype(p, target.info.device)
+        dtype = DTYPES[auto.precision] if p == "auto" else decode_dtype(p, target.info.device)
         label = precision_label(dtype)
         if any(s.precision == label for s in setups):
             continue  # "auto" that resolves to a precision already listed
@@ -89,7 +96,7 @@ def precision_setups(target, drafters: dict, precisions=("fp32",)) -> list[Setup
             name: drafter_for_target(d, tgt, dtype) if tgt is not target else d
             for name, d in drafters.items()
         }
-        setups.append(Setup(label, tgt, bound))
+        setups.append(Setup(label, tgt, bound, auto))
     return setups
 
 
@@ -105,6 +112,7 @@ class Method:
     precision: str = "fp32"
     reps: list[int] = field(default_factory=list)
     prompts: list[list[int]] = field(default_factory=list, repr=False)  # the prompt of each result
+    auto: dict = field(default_factory=dict)  # PrecisionChoice.record() of "auto"; {} if not asked
 
 
 def plan_methods(
@@ -202,6 +210,8 @@ def _plan_setups(
         plans[s.precision] = plan_methods(
             s.drafters, methods, temperatures, base, s.precision, cost, caps, drafter_methods
         )
+        for m in plans[s.precision]:
+            m.auto = s.auto.record() if s.auto is not None else {}
     return plans
 
 

@@ -77,7 +77,7 @@ class TrainConfig:
     adam_betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 0.5  # global-norm clipping (0 = off)
     mixed_precision: str = (
-        "auto"  # "auto" (bf16 where the device has it: target/precision.py) | "no" | "bf16" | "fp16"
+        "auto"  # "auto" (bf16 where a probe measures it faster: target/precision.py) | "no" | "bf16" | "fp16"
     )
     seed: int = 0
     # regime

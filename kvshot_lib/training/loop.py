@@ -417,7 +417,7 @@ def _save_finished(
         train_store=describe_data(train_store),
         eval_store=describe_data(eval_store),
         final_eval=logs["eval"][-1] if logs["eval"] else {},
-        machine=machine_record(precision, drafter.head.device),
+        machine=machine_record(precision, drafter.head.device, cfg.mixed_precision),  # + auto's timings
         plateau=plateau(logs["eval"]),
         **stopping,
     )
