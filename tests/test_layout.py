@@ -24,6 +24,7 @@ RANK = {
     "evaluation": 4,
     "diagnostics": 5,
     "plots": 5,
+    "needs": 5,  # what a profile needs (memory, disk, time): the runner asks it before a run
     "runner": 6,
     "reference": 7,
     "doctor": 7,

@@ -1,7 +1,8 @@
 """The target stage: find the installed assets, load the target model, and capture what it computes.
 
 * :func:`load_target` gives a :class:`Target` (model, tokenizer, :class:`TargetInfo`) for a preset
-  (``smollm2-135m``, ``tiny-llama``, ``tiny-qwen3``), a Hugging Face id or a local folder;
+  (``smollm2-135m``, ``tiny-llama``, ``tiny-qwen3``), a Hugging Face id or a local folder; :func:`random_target`
+  one of any shape with random weights (the GPU check's Qwen3-8B shape, :data:`QWEN3_8B_CONFIG`);
 * :func:`capture` records hidden states, post-RoPE K/V and post-RoPE queries through transformers' own
   seams, and undoes every hook on exit;
 * :mod:`.precision`: ``mixed_precision: auto`` resolved against the hardware (bf16 on a CPU with AMX-BF16 or
@@ -16,7 +17,9 @@ from .assets import REPO_ROOT, MissingAssetError, cache_dir
 from .capture import Captured, capture, decoder_layers
 from .loading import (
     DEFAULT_TARGET,
+    KNOWN_ARCHITECTURES,
     PRESETS,
+    QWEN3_8B_CONFIG,
     SUPPORTED_FAMILIES,
     TINY_CONFIG,
     Target,
@@ -24,8 +27,10 @@ from .loading import (
     TargetLoadError,
     cast_target,
     load_target,
+    random_target,
     smollm2_tokenizer,
     target_architecture,
+    target_shape,
 )
 from .precision import (
     DECODE_PRECISIONS,
@@ -47,8 +52,10 @@ __all__ = [
     "PRECISIONS",
     "PrecisionError",
     "DEFAULT_TARGET",
+    "KNOWN_ARCHITECTURES",
     "MissingAssetError",
     "PRESETS",
+    "QWEN3_8B_CONFIG",
     "REPO_ROOT",
     "SUPPORTED_FAMILIES",
     "TINY_CONFIG",
@@ -68,7 +75,9 @@ __all__ = [
     "load_target",
     "machine_record",
     "precision_label",
+    "random_target",
     "resolve_precision",
     "smollm2_tokenizer",
     "target_architecture",
+    "target_shape",
 ]

@@ -48,13 +48,14 @@ def asset_path(dist: str, relpath: str) -> Path:
     """Locate ``relpath`` inside the installed distribution ``dist`` without importing it.
 
     ``$KVSHOT_ASSETS_DIR``, if set, replaces the installed packages: a folder laid out like them
-    (``<dir>/<relpath>``), e.g. the assets the reference run carries to a GPU machine that has none of them."""
+    (``<dir>/<relpath>``), e.g. the ``assets/`` of the GPU check's bundle (``make gpu-bundle``), carried to a GPU
+    machine that has none of the asset wheels."""
     override = os.environ.get("KVSHOT_ASSETS_DIR")
     if override:
         if not (Path(override) / relpath).is_file():
             raise MissingAssetError(
-                f"{relpath!r} is not among the assets at KVSHOT_ASSETS_DIR={override} (the reference run stages "
-                "only the files its jobs need); unset KVSHOT_ASSETS_DIR to use the installed packages."
+                f"{relpath!r} is not among the assets at KVSHOT_ASSETS_DIR={override} (a bundle holds only the "
+                "files its check reads); unset KVSHOT_ASSETS_DIR to use the installed packages."
             )
         return Path(override) / relpath
     try:

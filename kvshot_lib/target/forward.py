@@ -3,7 +3,9 @@
 * :func:`new_cache` gives an empty KV cache for a model, :func:`clone_cache` a private copy of one;
 * :func:`forward` runs new tokens at given positions on a cache (or none), with an optional mask, the hidden
   states of every layer if asked and the logits of the last ``logits_to_keep`` positions; it passes the cache as
-  transformers >= 5.24 wants it (``cache=``, which replaced ``past_key_values=``; the dependency floor);
+  transformers >= 5.24 wants it (``cache=``, which replaced ``past_key_values=``; the dependency floor), and as
+  ``past_key_values=`` to a model whose forward has no ``cache`` argument (an older transformers on a borrowed
+  GPU machine): this is the one place that knows both;
 * :func:`layer_kv`, :func:`cache_length`, :func:`crop` and :func:`keep_positions` read and cut a cache;
 * :func:`sequence_features` is "the target's features of a batch of sequences": the final hidden state, the hidden
   states of some layers and the post-RoPE K/V of some layers, in one cache-free forward. The feature store, online
@@ -15,6 +17,8 @@ else in the library.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +41,13 @@ def clone_cache(cache: DynamicCache, config) -> DynamicCache:
     return out
 
 
+@functools.cache
+def _cache_argument(model_class: type) -> str:
+    """The name under which ``model_class.forward`` takes the KV cache: ``cache`` (transformers >= 5.24) or the
+    older ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 def forward(
     model,
     ids: Tensor,
@@ -52,7 +63,7 @@ def forward(
     positions' logits (0: all). Returns transformers' output (``.logits``, ``.hidden_states``)."""
     return model(
         input_ids=ids,
-        cache=cache,
+        **{_cache_argument(type(model)): cache},
         use_cache=cache is not None,
         position_ids=positions,
         attention_mask=mask,

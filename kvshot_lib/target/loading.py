@@ -8,6 +8,9 @@ Names:
 * ``tiny-llama`` / ``tiny-qwen3``: random models built from a config in about a second, seeded, for
   tests and the smoke profile. They reuse SmolLM2's tokenizer (and chat template) so that the data
   pipeline is the real one.
+* :func:`random_target` builds the same kind of model at any shape, in place on a device and in a dtype (an 8B
+  shape never passes through CPU float32): the GPU check (``benchmarks/gpu_check.py``) builds Qwen3-8B's
+  architecture (:data:`QWEN3_8B_CONFIG`) with random weights that way.
 * any Hugging Face id or local path of a Llama or Qwen3 model, with ``device``, ``dtype`` and an optional
   4-bit bitsandbytes load (CUDA only).
 """
@@ -40,6 +43,24 @@ TINY_CONFIG = dict(
     tie_word_embeddings=True,
     initializer_range=0.05,
 )
+
+# Qwen3-8B's architecture (its config.json): the shape the GPU check builds with random weights (with SmolLM2's
+# tokenizer and vocabulary instead of Qwen3's 151,936), and what a dry run plans for when only the hub id is known.
+QWEN3_8B_CONFIG = dict(
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+    vocab_size=151936,
+)
+KNOWN_ARCHITECTURES = {"Qwen/Qwen3-8B": ("qwen3", QWEN3_8B_CONFIG)}  # hub id -> (family, config)
 
 
 @dataclass(frozen=True)
@@ -118,24 +139,40 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(str(assets.smollm2_model_dir()))
 
 
-def _tiny_model(name: str, seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+def _random_model(
+    family: str, config: dict, tokenizer, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32
+):
+    """A seeded random model of ``family`` at ``config``'s shape with ``tokenizer``'s vocabulary, built on ``device``
+    in ``dtype`` (the tiny presets: CPU float32, as they always were, then cast)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-    tokenizer = smollm2_tokenizer()
     ids = dict(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if name == "tiny-llama":
-        config, cls = LlamaConfig(**TINY_CONFIG, **ids), LlamaForCausalLM
-    else:
-        config, cls = Qwen3Config(**TINY_CONFIG, **ids), Qwen3ForCausalLM
-    with torch.random.fork_rng(devices=[]):
+    classes = {"llama": LlamaConfig, "qwen3": Qwen3Config}
+    if family not in classes:
+        raise TargetLoadError(f"family must be one of {tuple(classes)}, got {family!r}.")
+    hf_config = classes[family](**{**config, **ids})
+    where = torch.device(device)
+    cuda = (
+        [where.index if where.index is not None else torch.cuda.current_device()]
+        if where.type == "cuda"
+        else []
+    )
+    with torch.random.fork_rng(devices=cuda), where:
         torch.manual_seed(seed)
-        model = cls(config)
-    return model, tokenizer
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    return model.to(where)  # a no-op where the device context placed it
+
+
+def _tiny_model(name: str, seed: int):
+    tokenizer = smollm2_tokenizer()
+    return _random_model(
+        "llama" if name == "tiny-llama" else "qwen3", TINY_CONFIG, tokenizer, seed
+    ), tokenizer
 
 
 def _hf_model(name: str, device: str, dtype: torch.dtype, load_in_4bit: bool):
@@ -272,6 +309,30 @@ def load_target(
         hf_logging.enable_progress_bar()
     if not load_in_4bit:
         model = model.to(device)
+    return _as_target(name, model, tokenizer, torch_dtype, device)
+
+
+def random_target(
+    config: dict,
+    family: str = "qwen3",
+    tokenizer=None,
+    device: str = "auto",
+    dtype: str | torch.dtype = "auto",
+    seed: int = 0,
+    name: str = "",
+) -> Target:
+    """A frozen target of ``family`` at ``config``'s shape (e.g. :data:`QWEN3_8B_CONFIG`) with seeded random weights,
+    built in place on ``device`` in ``dtype``, with ``tokenizer``'s vocabulary (default SmolLM2's, so that the real
+    ShareGPT and MT-bench pipeline runs unchanged). The tiny presets are this at :data:`TINY_CONFIG`."""
+    device = _resolve_device(device)
+    torch_dtype = _dtype(dtype, device)
+    tokenizer = tokenizer if tokenizer is not None else smollm2_tokenizer()
+    model = _random_model(family, config, tokenizer, seed, device, torch_dtype)
+    model.config._attn_implementation = "sdpa"
+    return _as_target(name or f"random-{family}", model, tokenizer, torch_dtype, device)
+
+
+def _as_target(name: str, model, tokenizer, torch_dtype: torch.dtype, device: str) -> Target:
     model.eval().requires_grad_(False)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -292,6 +353,41 @@ def load_target(
         fingerprint=_fingerprint(cfg),
     )
     return Target(model=model, tokenizer=tokenizer, info=info)
+
+
+def target_shape(name: str) -> dict | None:
+    """The architecture of target ``name`` from its config alone, without weights: ``{family, hidden_size,
+    num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size, vocab_size,
+    tie_word_embeddings, max_position_embeddings}`` for a local folder, a preset (SmolLM2 once converted) or a hub
+    id in :data:`KNOWN_ARCHITECTURES`; None otherwise. A dry run plans memory and disk with it."""
+    from transformers import AutoConfig
+
+    if name in KNOWN_ARCHITECTURES:
+        family, config = KNOWN_ARCHITECTURES[name]
+        d = dict(config, model_type=family)
+    elif name in ("tiny-llama", "tiny-qwen3"):
+        d = dict(TINY_CONFIG, vocab_size=49152, model_type=name.removeprefix("tiny-"))
+    else:
+        folder = assets.smollm2_converted_dir() if name == "smollm2-135m" else Path(name).expanduser()
+        if folder is None or not folder.is_dir():
+            return None
+        try:
+            d = AutoConfig.from_pretrained(str(folder)).to_dict()
+        except (OSError, ValueError):
+            return None
+    keys = (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+    )
+    shape = {k: int(d[k]) for k in keys}
+    shape["head_dim"] = int(d.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"])
+    shape["vocab_size"] = int(d["vocab_size"])
+    shape["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
+    shape["max_position_embeddings"] = int(d.get("max_position_embeddings") or 0)
+    return dict(family=d.get("model_type", ""), **shape)
 
 
 def cast_target(target: Target, dtype: torch.dtype) -> Target:

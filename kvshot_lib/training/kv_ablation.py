@@ -21,7 +21,9 @@ import pandas as pd
 import torch
 
 from ..drafters.unroll import TrainBatch
+from .data import is_tokenized_split
 from .heldout import EvalSet, evaluate_per_step
+from .online import online_eval_set
 
 KV_CONDITIONS = ("real", "zeroed", "shuffled")
 
@@ -86,14 +88,16 @@ def kv_ablation_table(
     max_tokens=None,
     branch_fraction: float = 1.0,
 ) -> pd.DataFrame:
-    """One row per (KV-reading drafter, condition, draft step): held-out accuracy and its count ``n``."""
+    """One row per (KV-reading drafter, condition, draft step): held-out accuracy and its count ``n``.
+    ``eval_store`` is a feature store, or a tokenized split whose features the target computes (online training)."""
+    build = online_eval_set if is_tokenized_split(eval_store) else EvalSet.build
     rows = []
     for r in results:
         d = r.drafter
         if not reads_target_kv(d):
             continue
         d.eval()
-        evals = EvalSet.build(eval_store, d.cfg, target, n_sequences, batch_size, max_tokens)
+        evals = build(eval_store, d.cfg, target, n_sequences, batch_size, max_tokens)
         for condition in KV_CONDITIONS:
             ev = evaluate_per_step(d, with_target_kv(evals, condition), n_steps, None, branch_fraction)
             for k in range(n_steps):

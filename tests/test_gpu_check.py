@@ -1,0 +1,104 @@
+"""benchmarks/gpu_check.py at toy shapes on the CPU: the same code `make gpu-check` runs on a GPU at Qwen3-8B's shape.
+
+The check reads a bundle that `make gpu-bundle` writes (tokenizer files, a ShareGPT slice, MT-bench) through
+KVSHOT_ASSETS_DIR; here a small bundle is written and `make gpu-check GPU_SCALE=tiny` runs on it in seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvshot_lib.corpus import load_mtbench, load_sharegpt
+from kvshot_lib.target import REPO_ROOT, assets, random_target
+
+spec = importlib.util.spec_from_file_location("gpu_check", REPO_ROOT / "benchmarks" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(spec)
+sys.modules["gpu_check"] = gpu_check  # its dataclass resolves names through it
+spec.loader.exec_module(gpu_check)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bundle") / "gpu_bundle"
+    gpu_check.write_bundle(out, n_conversations=40)
+    return out
+
+
+def test_the_bundle_holds_what_the_check_reads_and_no_weights(bundle):
+    manifest = json.loads((bundle / "bundle.json").read_text())
+    files = sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*") if p.is_file())
+    assert {
+        "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json",
+        "tokenizer/chat_template.jinja",
+    } <= set(files)
+    assert not [f for f in files if f.endswith(".safetensors")], "the bundle must not carry model weights"
+    assert manifest["sharegpt_records"] == 40
+    assert manifest["bytes"] == sum((bundle / f).stat().st_size for f in manifest["files"]) < 20e6
+    before = os.environ.get("KVSHOT_ASSETS_DIR")
+    with gpu_check.bundle_assets(bundle):
+        assert assets.sharegpt_json().is_relative_to(bundle) and assets.mtbench_jsonl().is_relative_to(bundle)
+        conversations, counts = load_sharegpt()
+        assert len(conversations) + sum(v for k, v in counts.items() if k != "ok") == 40
+        assert len(load_mtbench()) == 80
+    assert os.environ.get("KVSHOT_ASSETS_DIR") == before
+
+
+@pytest.fixture(scope="module")
+def result(bundle, tmp_path_factory):
+    """`make gpu-check GPU_SCALE=tiny`: the Makefile's command (PYTHONPATH=., the bundle) with this interpreter."""
+    out = tmp_path_factory.mktemp("results")
+    make = [
+        "make",
+        "--no-print-directory",
+        "gpu-check",
+        "GPU_SCALE=tiny",
+        f"GPU_BUNDLE={bundle}",
+        f"PYTHON={sys.executable}",
+        f"GPU_ARGS=--out-dir {out} --threads 1",
+    ]
+    run = subprocess.run(make, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert f"--bundle {bundle}" in run.stdout.splitlines()[0] and "PYTHONPATH=." in run.stdout.splitlines()[0]
+    (dest,) = out.glob("gpu_check_*_tiny.json")
+    return json.loads(dest.read_text()), dest
+
+
+def test_tiny_check_reports_every_number_positive(result):
+    r, dest = result
+    assert r["errors"] == {}
+    s = r["stages"]
+    assert s["extraction"]["tokens_per_s"] > 0 and s["extraction"]["bytes_per_token"] > 0
+    for paradigm in ("hidden", "kv", "hybrid"):
+        row = s[f"train_{paradigm}-ttt"]
+        assert row["tokens_per_s"] > 0 and row["timed_steps"] >= 1 and row["checkpoint_bytes"] > 0
+    assert s["plain_decoding"]["tokens_per_s"] > 0
+    for name, row in s.items():
+        assert row["seconds"] > 0 and row["peak_memory_gib"] > 0, name
+    cost = s["verification_cost"]["rows"]
+    assert [c["k"] for c in cost] == list(gpu_check.SCALES["tiny"].cv_sizes)
+    assert cost[0]["chain_rel"] == 1.0 and all(c["chain_s"] > 0 and c["tree_s"] > 0 for c in cost)
+    assert "151,936" in r["target"]["vocabulary_note"]  # says the vocabulary is not Qwen3's
+    assert dest.name == f"gpu_check_{r['machine']['name']}_tiny.json"
+    assert "| plain decoding |" in dest.with_suffix(".md").read_text()
+
+
+def test_tiny_check_chain_and_tree_equal_plain_decoding(result):
+    eq = result[0]["stages"]["greedy_equality"]
+    assert eq["dtype"] == "float32" and eq["of"] == 16  # (3 trained + self) x (chain, tree) x 2 prompts
+    assert eq["equal"] == eq["of"], [row for row in eq["rows"] if not row["equal"]]
+    assert {row["mode"] for row in eq["rows"]} == {"chain", "tree"}
+    assert max(row["mat"] for row in eq["rows"] if row["drafter"] == "self") > 1  # drafts accepted, committed
+
+
+def test_the_float32_pass_casts_the_target_in_place(tokenizer):
+    target = random_target(gpu_check.SCALES["tiny"].config, "qwen3", tokenizer, "cpu", "bfloat16")
+    fp32 = gpu_check.float32_in_place(target, "cpu")
+    assert fp32.model is target.model and fp32.info.dtype == "float32"
+    assert {p.dtype for p in fp32.model.parameters()} == {torch.float32}
