@@ -24,11 +24,11 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .drafters.config import READS_KV
 from .target import REPO_ROOT, cache_dir, target_shape
 
 GIB, GB = 2**30, 1e9
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-KV_READERS = ("kv", "hybrid", "cross")
 
 
 @dataclass
@@ -203,7 +203,7 @@ def notebook_need(number: str, p: dict, full: dict, s: dict, rates: Rates, count
             "MT-bench",
         )
     elif number == "04":
-        readers = sum(d.get("paradigm") in KV_READERS for d in trained)
+        readers = sum(d.get("paradigm") in READS_KV for d in trained)
         tokens = p["n_questions"] * 2 * p["max_new_tokens"] * max(1, readers) * (1 + len(p["lambdas"]))
         decode(tokens, 1024 + p["max_new_tokens"], readers, "MT-bench, KV-reading drafters")
     elif number == "06":
