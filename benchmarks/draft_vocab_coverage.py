@@ -16,20 +16,13 @@ from pathlib import Path
 
 import torch
 
-from kvshot_lib.drafters import coverage, draft_vocab_from_counts
+from kvshot_lib.drafters import count_tokens, coverage, draft_vocab_from_counts
 from kvshot_lib.evaluation import greedy_references
 from kvshot_lib.reference import data, load_plan
 from kvshot_lib.target import load_target
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = (4096, 8192)
-
-
-def assistant_counts(split, vocab_size: int) -> torch.Tensor:
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for ids, mask in zip(split.ids, split.loss_mask):
-        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
-    return counts
 
 
 def main() -> int:
@@ -44,12 +37,12 @@ def main() -> int:
     regenerated, held, what = data.data_splits(plan, target, "regenerated")
     n = min(args.n_conversations, len(regenerated))
     sources = {
-        "original": assistant_counts(original.head(min(n, len(original))), V),
-        "regenerated": assistant_counts(regenerated.head(n), V),
+        "original": count_tokens(original.head(min(n, len(original))), V),
+        "regenerated": count_tokens(regenerated.head(n), V),
     }
     refs = greedy_references(target, None, args.max_new_tokens, batch_size=16)
     mtbench = torch.bincount(torch.tensor([t for r in refs for t in r.greedy_ids]), minlength=V)[:V]
-    on = {"mtbench_greedy": mtbench, "heldout_regenerated": assistant_counts(held, V)}
+    on = {"mtbench_greedy": mtbench, "heldout_regenerated": count_tokens(held, V)}
     table = []
     for source, counts in sources.items():
         for size in SIZES:

@@ -28,27 +28,11 @@ import torch
 from kvshot_lib.corpus import VllmGreedy, chat_prompt_ids, load_mtbench
 from kvshot_lib.decoding import DecodeConfig, generate
 from kvshot_lib.drafters import export_eagle3, load_drafter
-from kvshot_lib.evaluation import machine_info, machine_name
-from kvshot_lib.target import REPO_ROOT, forward, load_target
+from kvshot_lib.evaluation import machine_info, machine_name, specpv_fidelity, speed_table
+from kvshot_lib.target import REPO_ROOT, load_target
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("suite_plain", "suite_chain", "vllm_plain", "vllm_eagle3")
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """The first index where two outputs differ (a length difference counts), or None when equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-@torch.inference_mode()
-def top2_margin(target, prompt: list[int], output: list[int], at: int) -> float:
-    """The suite's fp32 logit gap between the two best tokens at output position ``at``."""
-    ids = torch.tensor([prompt + output[:at]])
-    top = forward.forward(target.model, ids, logits_to_keep=1).logits[0, -1].float().topk(2).values
-    return float(top[0] - top[1])
 
 
 def main() -> int:
@@ -120,12 +104,19 @@ def main() -> int:
         ("vllm_plain", "suite_plain"),
         ("suite_chain", "suite_plain"),
     ):
-        div = [first_divergence(a, b) for a, b in zip(outputs[method], outputs[against])]
+        div = [
+            None if a == b else specpv_fidelity.first_divergence(a, b)
+            for a, b in zip(outputs[method], outputs[against])
+        ]
         equality[f"{method}=={against}"] = dict(
             equal=sum(d is None for d in div),
             of=len(div),
             divergences=[
-                dict(prompt=i, at=d, suite_top2_margin=round(top2_margin(target, prompts[i], ref[i], d), 4))
+                dict(
+                    prompt=i,
+                    at=d,
+                    suite_top2_margin=round(speed_table.top2_logits(target, prompts[i] + ref[i][:d])[1], 4),
+                )
                 for i, d in enumerate(div)
                 if d is not None and d < len(ref[i])
             ],

@@ -29,7 +29,6 @@ and both timings are printed once per process (``target.precision.PrecisionChoic
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -37,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..drafters.tree_mask import ancestor_matrix, tree_attention_mask
+from ..target.disk_cache import read_table, save_entry
 from ..target.forward import crop, forward, new_cache
 from ..target.loading import cast_target
 from ..target.precision import (
@@ -284,27 +284,7 @@ def cost_key(target, kernel: bool = True) -> str:
     )
 
 
-def _disk_path():
-    from ..target.assets import cache_dir
-
-    return cache_dir() / "cost_models.json"
-
-
-def _read_disk() -> dict:
-    try:
-        return json.loads(_disk_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_disk(key: str, entry: dict) -> None:
-    try:
-        table = {**_read_disk(), key: entry}
-        tmp = _disk_path().with_suffix(".tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        tmp.replace(_disk_path())
-    except OSError:
-        pass  # a read-only cache only costs a re-measurement
+COST_MODELS = "cost_models.json"
 
 
 def cost_model_for(
@@ -313,7 +293,7 @@ def cost_model_for(
     """The cost model of ``target`` in its dtype on this machine, with the costs of every drafter in ``drafters``
     (name -> SessionFactory): read from ``<cache>/cost_models.json``, what is missing measured and saved."""
     key = cost_key(target, kernel)
-    entry = None if remeasure else _read_disk().get(key)
+    entry = None if remeasure else read_table(COST_MODELS).get(key)
     if entry is None or int(entry.get("context", -1)) != context:
         chain, tree, commit = measure_verification(target, context, kernel=kernel)
         dtype = next(target.model.parameters()).dtype
@@ -332,8 +312,8 @@ def cost_model_for(
     }
     for name, drafter in missing.items():  # the engine runs them with its kernels
         model.drafters[name] = measure_drafter(target, drafter, context)
-    if missing or entry.get("drafters") is None or key not in _read_disk():
-        _write_disk(key, model.as_dict())
+    if missing or entry.get("drafters") is None or key not in read_table(COST_MODELS):
+        save_entry(COST_MODELS, key, model.as_dict())
     return model
 
 
@@ -348,7 +328,7 @@ def plain_step_s(target, context: int = 256, kernel: bool = True) -> float:
     tokens): ``verify_chain[1]`` of its cached cost model; where none is cached, that size measured alone (the
     fastest of :data:`PLAIN_STEP_REPS`) and cached in ``<cache>/cost_models.json`` beside the cost models."""
     key = cost_key(target, kernel)
-    disk = _read_disk()
+    disk = read_table(COST_MODELS)
     entry = disk.get(key)
     if entry is not None and int(entry.get("context", -1)) == context:
         step = CostModel.from_dict(entry).verify_chain.get(1)
@@ -358,7 +338,7 @@ def plain_step_s(target, context: int = 256, kernel: bool = True) -> float:
     if alone is not None and int(alone.get("context", -1)) == context:
         return float(alone["seconds"])
     chain, _, _ = measure_verification(target, context, sizes=(1,), reps=PLAIN_STEP_REPS, kernel=kernel)
-    _write_disk(f"{PLAIN_STEP}|{key}", dict(context=context, seconds=chain[1]))
+    save_entry(COST_MODELS, f"{PLAIN_STEP}|{key}", dict(context=context, seconds=chain[1]))
     return chain[1]
 
 

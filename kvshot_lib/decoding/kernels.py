@@ -18,7 +18,6 @@ version and thread count, under ``<cache>/linear_kernels.json``.
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 import types
@@ -27,6 +26,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+
+from ..target.disk_cache import read_table, save_entry
 
 MAX_ROWS = 8  # block sizes considered
 MARGIN = 0.9  # another choice must be at least 10% faster than F.linear to be taken
@@ -51,7 +52,7 @@ def linear_plan(weight: torch.Tensor, reps: int = 5) -> Plan:
     memory rather than sit in cache."""
     key = (weight.shape[0], weight.shape[1], weight.dtype)
     disk_key = f"{_cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads|rows 1-8|{key}"
-    cached = _disk().get(disk_key)
+    cached = read_table(KERNELS).get(disk_key)
     if key not in _PLANS and isinstance(cached, dict):
         _PLANS[key] = {int(m): (int(p), bool(t)) for m, (p, t) in cached.items()}
     if key not in _PLANS:
@@ -69,7 +70,7 @@ def linear_plan(weight: torch.Tensor, reps: int = 5) -> Plan:
             if best != (m, False) and times[best] < MARGIN * times[m, False]:
                 plan[m] = best
         _PLANS[key] = plan
-        _save_disk(disk_key, plan)
+        save_entry(KERNELS, disk_key, {str(m): list(v) for m, v in plan.items()})
     return _PLANS[key]
 
 
@@ -81,27 +82,7 @@ def _cpu_name() -> str:
         return platform.processor() or "cpu"
 
 
-def _disk_path():
-    from ..target.assets import cache_dir
-
-    return cache_dir() / "linear_kernels.json"
-
-
-def _disk() -> dict:
-    try:
-        return json.loads(_disk_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _save_disk(key: str, plan: Plan) -> None:
-    try:
-        table = {**_disk(), key: {str(m): list(v) for m, v in plan.items()}}
-        tmp = _disk_path().with_suffix(".tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        tmp.replace(_disk_path())
-    except OSError:
-        pass  # a read-only cache only costs a re-measurement
+KERNELS = "linear_kernels.json"
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:

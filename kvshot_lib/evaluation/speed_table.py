@@ -30,6 +30,7 @@ from ..target import bf16_tier, cpu_model
 from ..target.forward import forward
 from ..target.precision import PrecisionChoice
 from . import metrics
+from .specpv_fidelity import first_divergence
 
 
 def machine_info() -> dict:
@@ -211,7 +212,7 @@ def _nodes_per_cycle(plan, key) -> float:
 
 
 @torch.inference_mode()
-def _top2(target, prefix: list[int]) -> tuple[float, float]:
+def top2_logits(target, prefix: list[int]) -> tuple[float, float]:
     """Top-1 logit of ``target`` after ``prefix`` and its margin over the top-2."""
     model = target.model
     logits = (
@@ -241,10 +242,9 @@ def divergences(plan, setups, reference: str = "fp32") -> pd.DataFrame:
         for i, (r, b) in enumerate(zip(m.results, base.results)):
             if r.token_ids == b.token_ids:
                 continue
-            n = min(len(r.token_ids), len(b.token_ids))
-            pos = next((j for j in range(n) if r.token_ids[j] != b.token_ids[j]), n)
+            pos = first_divergence(r.token_ids, b.token_ids)
             prefix = base.prompts[i] + b.token_ids[:pos]
-            top, margin = _top2(by_precision[m.precision].target, prefix)
+            top, margin = top2_logits(by_precision[m.precision].target, prefix)
             row = dict(
                 method=m.method,
                 drafter=m.drafter,
@@ -261,7 +261,7 @@ def divergences(plan, setups, reference: str = "fp32") -> pd.DataFrame:
                 margin_reference=math.nan,
             )
             if reference in by_precision and reference != m.precision:
-                row["margin_reference"] = _top2(by_precision[reference].target, prefix)[1]
+                row["margin_reference"] = top2_logits(by_precision[reference].target, prefix)[1]
             rows.append(row)
     columns = [
         "method",

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import platform
 import sys
@@ -42,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .assets import cache_dir
+from .disk_cache import read_table, save_entry
 
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # a CPU with either computes bf16 matmuls natively
@@ -244,31 +243,17 @@ def train_probe_key(precision: str, device: str | torch.device = "cpu") -> str:
     return f"{PROBE_FORMAT}|{machine_key(device, threads=False)}|{precision}"
 
 
-def _probes_path() -> Path:
-    return cache_dir() / "precision_probes.json"
-
-
-def _read_probes() -> dict:
-    try:
-        return json.loads(_probes_path().read_text())
-    except (OSError, ValueError):
-        return {}
+PROBES = "precision_probes.json"
 
 
 def train_probe_s(precision: str, device: str | torch.device = "cpu") -> float:
     """:func:`time_train_probe`, measured once per machine and saved in ``<cache>/precision_probes.json``."""
     key = train_probe_key(precision, device)
-    cached = _read_probes().get(key)
+    cached = read_table(PROBES).get(key)
     if cached is not None:
         return float(cached)
     seconds = time_train_probe(precision, device)
-    try:
-        path = _probes_path()
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**_read_probes(), key: seconds}, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache only costs a re-measurement
+    save_entry(PROBES, key, seconds)
     return seconds
 
 
