@@ -7,6 +7,7 @@
     python -m kvshot_lib.reference --status                              # where each row stands (while it runs)
     python -m kvshot_lib.reference --rows none-ttt --set train_steps=20  # a TrainConfig override for every row
     python -m kvshot_lib.reference --data n_train_conversations=16 --data min_train_tokens=0   # a smaller slice
+    python -m kvshot_lib.reference --profile onpolicy --budget token_passes=2200000   # stage 1: every row to 2.2M
 
 Arguments are checked before anything is loaded: an unknown profile, step or row, CUDA asked for but absent.
 A killed run started again with the same arguments resumes each row at its last saved step.
@@ -42,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a data override (n_train_conversations=16)",
     )
     ap.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a budget override (token_passes=2200000: every row's cap)",
+    )
+    ap.add_argument(
         "--root", default=None, help="where runs/ and figures/ are written (default: this checkout)"
     )
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -60,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise PlanError(f"--data names {unknown}; the plan's data keys are {sorted(plan.data)}.")
         plan.data.update(data)
+        budget = key_values(args.budget, "--budget")
+        if set(budget) - {"token_passes"}:
+            raise PlanError(f"--budget takes token_passes=N, got {sorted(budget)}.")
+        plan.budget.update(budget)
         if rows or overrides:
             for r in rows or plan.rows:
                 plan.row(r).train_config(**overrides)  # a bad override fails here, not after hours
