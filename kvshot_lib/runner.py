@@ -45,6 +45,7 @@ class Profile:
     notebooks: list[str] | None = None
     parameters: dict = field(default_factory=dict)
     overrides: dict[str, dict] = field(default_factory=dict)
+    expected_minutes: dict[str, float] = field(default_factory=dict)  # per notebook, measured on a 2-core CPU
 
 
 def available_profiles() -> list[str]:
@@ -61,19 +62,29 @@ def load_profile(name_or_path: str) -> Profile:
                 f"Unknown profile {name_or_path!r}: not a YAML file and not one of {available_profiles()}."
             )
     raw = yaml.safe_load(path.read_text()) or {}
-    unknown = set(raw) - {"description", "notebooks", "parameters", "overrides", "reference"}
+    unknown = set(raw) - {
+        "description",
+        "notebooks",
+        "parameters",
+        "overrides",
+        "expected_minutes",
+        "reference",
+    }
     if unknown:
         raise ProfileError(
             f"{path}: unknown top-level keys {sorted(unknown)}; allowed: description, notebooks, "
-            "parameters, overrides, reference (the reference run's rows and jobs, read by "
-            "kvshot_lib.reference, not by the notebooks)."
+            "parameters, overrides, expected_minutes (per notebook, for the progress line), reference (the "
+            "reference run's rows and jobs, read by kvshot_lib.reference, not by the notebooks)."
         )
-    for key in ("parameters", "overrides"):
+    for key in ("parameters", "overrides", "expected_minutes"):
         if not isinstance(raw.get(key) or {}, dict):
             raise ProfileError(f"{path}: '{key}' must be a mapping.")
     overrides = {str(k).zfill(2): v or {} for k, v in (raw.get("overrides") or {}).items()}
     notebooks = [str(n).zfill(2) for n in raw["notebooks"]] if raw.get("notebooks") else None
-    return Profile(path.stem, raw.get("description", ""), notebooks, raw.get("parameters") or {}, overrides)
+    expected = {str(k).zfill(2): float(v) for k, v in (raw.get("expected_minutes") or {}).items()}
+    return Profile(
+        path.stem, raw.get("description", ""), notebooks, raw.get("parameters") or {}, overrides, expected
+    )
 
 
 def list_notebooks(notebook_dir: Path = NOTEBOOK_DIR) -> dict[str, Path]:
@@ -223,6 +234,47 @@ def check_needs(
     return report + "\nfits: the memory and disk at hand cover this estimate.", None
 
 
+def expected_seconds(notebook: str, history: list[dict], profile: Profile) -> float | None:
+    """How long ``notebook`` should take: its last time in this run's log (this machine), else the profile's
+    ``expected_minutes`` (measured on a 2-core CPU), else None."""
+    for entry in reversed(history):
+        for rec in entry.get("notebooks", []):
+            if rec["notebook"] == notebook:
+                return rec["seconds"]
+    minutes = profile.expected_minutes.get(notebook[:2])
+    return None if minutes is None else 60 * minutes
+
+
+class ProgressLine:
+    """One line per notebook, redrawn every few seconds while it runs: the time elapsed and the time expected."""
+
+    def __init__(self, label: str, expected: float | None, every: float = 5.0):
+        import threading
+
+        from tqdm.auto import tqdm
+
+        guess = f"of about {tqdm.format_interval(expected)} expected" if expected else "(no estimate yet)"
+        fmt = "{desc}: {elapsed} elapsed " + guess + (" {bar:20}" if expected else "")
+        self.bar = tqdm(total=expected or 1, desc=label, bar_format=fmt, leave=True)
+        self.stop, self.every = threading.Event(), every
+        self.thread = threading.Thread(target=self._tick, daemon=True)
+
+    def _tick(self) -> None:
+        while not self.stop.wait(self.every):
+            self.bar.n = min(self.bar.total, self.bar.format_dict["elapsed"])
+            self.bar.refresh()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.bar.n = min(self.bar.total, self.bar.format_dict["elapsed"])
+        self.bar.close()
+
+
 class NotebookFailed(RuntimeError):
     """A notebook failed; the message names it, the cell and where the executed copy was kept."""
 
@@ -246,22 +298,28 @@ def run_profile(
     run_dir, figure_dir = root / "runs" / name, root / "figures" / name
     (run_dir / "results").mkdir(parents=True, exist_ok=True)
     figure_dir.mkdir(parents=True, exist_ok=True)
-    records = []
-    for nb, params in plan:
+    log = run_dir / "results" / "run_log.json"  # one entry per invocation, newest last
+    history = json.loads(log.read_text()) if log.is_file() else []
+    history = history if isinstance(history, list) else [history]
+    entry = {"profile": profile.name, "only": only, "sets": sets, "notebooks": [], "finished": None}
+    records = entry["notebooks"]
+    for i, (nb, params) in enumerate(plan):
         params = {**params, "profile": profile.name, "run_dir": str(run_dir), "figure_dir": str(figure_dir)}
         out = run_dir / nb.name
         print(f"[kvshot] {profile.name}: running {nb.name} -> {out.relative_to(root)}", flush=True)
         t0 = time.perf_counter()
+        label = f"[kvshot] {nb.name} ({i + 1}/{len(plan)})"
         try:
-            papermill.execute_notebook(
-                str(nb),
-                str(out),
-                parameters=params,
-                cwd=str(nb.parent),
-                kernel_name="python3",
-                language="python",
-                progress_bar=False,
-            )
+            with ProgressLine(label, expected_seconds(nb.name, history, profile)):
+                papermill.execute_notebook(
+                    str(nb),
+                    str(out),
+                    parameters=params,
+                    cwd=str(nb.parent),
+                    kernel_name="python3",
+                    language="python",
+                    progress_bar=False,
+                )
         except PapermillExecutionError as e:
             raise NotebookFailed(
                 f"{nb.name} failed in cell {e.cell_index} (execution count {e.exec_count}): {e.ename}: {e.evalue}\n"
@@ -271,19 +329,8 @@ def run_profile(
             {"notebook": nb.name, "seconds": round(time.perf_counter() - t0, 1), "output": str(out)}
         )
         print(f"[kvshot] {nb.name} done in {records[-1]['seconds']} s", flush=True)
-    log = run_dir / "results" / "run_log.json"  # one entry per invocation, newest last
-    history = json.loads(log.read_text()) if log.is_file() else []
-    history = history if isinstance(history, list) else [history]
-    history.append(
-        {
-            "profile": profile.name,
-            "only": only,
-            "sets": sets,
-            "notebooks": records,
-            "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-        }
-    )
-    log.write_text(json.dumps(history, indent=1))
+        entry["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")  # saved after every notebook
+        log.write_text(json.dumps([*history, entry], indent=1))
     return records
 
 

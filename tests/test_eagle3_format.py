@@ -154,3 +154,22 @@ def test_the_notebooks_measure_an_eagle3_folder_beside_the_runs_drafters(tiny_ll
         unrolled_logits(d, tiny_llama, ids)[0], unrolled_logits(drafters["public-eagle3"], tiny_llama, ids)[0]
     ):
         assert torch.equal(a, b)
+
+
+def test_a_committed_checkpoint_beside_a_trained_drafter_of_its_name_keeps_both(tiny_llama, tmp_path):
+    """extra=[checkpoints/reference/<row>] beside runs/<run>/drafters/<row>: both measured, told apart."""
+    from kvshot_lib.drafters import save_drafter
+
+    fresh, committed = trained_like(tiny_llama, "hidden"), trained_like(tiny_llama, "hidden")
+    save_drafter(fresh, tmp_path / "run" / "drafters" / "hidden-ttt")
+    save_drafter(committed, tmp_path / "checkpoints" / "reference" / "hidden-ttt")
+    extra = [tmp_path / "checkpoints" / "reference" / "hidden-ttt"]
+    drafters, _ = drafters_for_run(tmp_path / "run", tiny_llama, ("ngram",), extra=extra)
+    assert set(drafters) == {"ngram", "hidden-ttt", "hidden-ttt@reference"}
+    ids = torch.randint(0, 3000, (12,), generator=torch.Generator().manual_seed(5))
+    first = {
+        label: unrolled_logits(d, tiny_llama, ids)[0][0] for label, d in drafters.items() if label != "ngram"
+    }
+    assert not torch.equal(first["hidden-ttt"], first["hidden-ttt@reference"])
+    assert torch.equal(first["hidden-ttt"], unrolled_logits(fresh, tiny_llama, ids)[0][0])
+    assert torch.equal(first["hidden-ttt@reference"], unrolled_logits(committed, tiny_llama, ids)[0][0])

@@ -114,3 +114,35 @@ def test_failing_notebook_stops_the_run_and_is_kept(tmp_path):
     ok = json.loads((tmp_path / "runs" / "mine" / "00_ok.ipynb").read_text())
     injected = [c for c in ok["cells"] if "injected-parameters" in c["metadata"].get("tags", [])]
     assert "n = 2" in "".join(injected[0]["source"])
+
+
+def test_the_progress_line_expects_this_machines_last_time_else_the_profiles(tmp_path):
+    """The estimate: the notebook's seconds in this run's log (newest first), else the profile's minutes."""
+    path = tmp_path / "p.yaml"
+    path.write_text("expected_minutes: {2: 25, '03': 1.5}\n")
+    profile = runner.load_profile(str(path))
+    assert profile.expected_minutes == {"02": 25.0, "03": 1.5}
+    history = [
+        {"notebooks": [{"notebook": "02_train.ipynb", "seconds": 700.0}]},
+        {"notebooks": [{"notebook": "02_train.ipynb", "seconds": 640.0}]},
+    ]
+    assert runner.expected_seconds("02_train.ipynb", history, profile) == 640.0
+    assert runner.expected_seconds("03_x.ipynb", history, profile) == 90.0
+    assert runner.expected_seconds("04_y.ipynb", history, profile) is None
+    path.write_text("expected_minutes: [1, 2]\n")
+    with pytest.raises(ProfileError, match="'expected_minutes' must be a mapping"):
+        runner.load_profile(str(path))
+
+
+def test_a_run_logs_each_notebook_as_it_finishes(tmp_path):
+    """A run stopped by a failing notebook keeps the times of those before it (the next run's estimates)."""
+    nbdir = tmp_path / "nbs"
+    nbdir.mkdir()
+    _notebook(nbdir / "00_ok.ipynb", "n = 1\n", "print('fine')")
+    _notebook(nbdir / "01_bad.ipynb", "n = 1\n", "raise ValueError('deliberate failure')")
+    profile = tmp_path / "mine.yaml"
+    profile.write_text("parameters: {n: 2}\nexpected_minutes: {'00': 1}\n")
+    with pytest.raises(NotebookFailed):
+        runner.run_profile(str(profile), root=tmp_path, notebook_dir=nbdir)
+    log = json.loads((tmp_path / "runs" / "mine" / "results" / "run_log.json").read_text())
+    assert [r["notebook"] for r in log[-1]["notebooks"]] == ["00_ok.ipynb"]

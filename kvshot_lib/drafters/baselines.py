@@ -298,20 +298,25 @@ def drafters_for_run(
 ) -> tuple[dict, str]:
     """The baseline drafters named in ``baselines`` plus every trained checkpoint under ``<run_dir>/drafters/``
     (labelled by folder name, weights in ``dtype`` when given; none when ``run_dir`` is None), plus the drafter
-    folders in ``extra`` (any checkpoint, e.g. a public EAGLE-3 drafter in the layout vLLM loads), and a one-line
-    note saying what was found."""
+    folders in ``extra`` (any checkpoint, e.g. a public EAGLE-3 drafter in the layout vLLM loads, or a committed
+    ``checkpoints/reference/<row>``: labelled ``<row>@reference`` where the run trained a drafter of that name),
+    and a one-line note saying what was found."""
     unknown = [b for b in baselines if not is_baseline_name(b)]
     if unknown:
         raise ValueError(f"Unknown baseline drafters {unknown}; use any of {BASELINES} or early-exit-<n>.")
     drafters = {name: resolve_drafter(name, target, seed) for name in baselines}
-    for folder in extra:
-        drafters[Path(folder).name] = resolve_drafter(str(folder), target, seed, dtype)
+    root = Path(run_dir) / "drafters" if run_dir is not None else None
+    folders = sorted(p for p in root.glob("*") if p.is_dir()) if root and root.is_dir() else []
+    for folder in map(Path, extra):
+        clash = folder.name in drafters or (
+            root is not None and (root / folder.name / "config.json").is_file()
+        )
+        label = f"{folder.name}@{folder.parent.name}" if clash else folder.name
+        drafters[label] = resolve_drafter(str(folder), target, seed, dtype)
     if run_dir is None:
         return drafters, f"Baselines: {', '.join(baselines)}" + (
             f"; from folders: {len(extra)}." if extra else "."
         )
-    root = Path(run_dir) / "drafters"
-    folders = sorted(p for p in root.glob("*") if p.is_dir()) if root.is_dir() else []
     trained = {}
     for folder in folders:
         if not (folder / "config.json").is_file():
