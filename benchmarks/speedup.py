@@ -1,7 +1,7 @@
 """Decoding speed on the default target: plain decoding, every drafter in chain and tree mode, HF generate.
 
 Reports, on this machine, in one run:
-* a bare greedy loop (``model(tok, past_key_values=cache)`` + argmax: the floor of Python overhead) and
+* a bare greedy loop (one target forward per token on a cache + argmax: the floor of Python overhead) and
   our plain decoding (``mode="ar"``) in tokens/s;
 * the cost of one target forward of k new tokens on a cache, relative to k = 1, with and without the
   small-batch matmul kernel (``kvshot_lib.decoding.kernels``): what verifying a k-token block costs;
@@ -24,11 +24,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, small_batch_linear
 from kvshot_lib.drafters import drafters_for_run, resolve_drafter
 from kvshot_lib.evaluation import speedup
+from kvshot_lib.target import forward as seam
 from kvshot_lib.target import load_target
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -43,12 +43,12 @@ def _clock(device: torch.device) -> float:
 
 @torch.inference_mode()
 def bare_loop_tokens_per_s(model, prompt: list[int], n: int) -> float:
-    cache = DynamicCache(config=model.config)
+    cache = seam.new_cache(model)
     ids = torch.tensor([prompt], device=model.device)  # [1, T]
-    tok = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)  # [1, 1]
+    tok = seam.forward(model, ids, cache).logits[:, -1:].argmax(-1)  # [1, 1]
     t0 = _clock(model.device)
     for _ in range(n):
-        tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        tok = seam.forward(model, tok, cache).logits[:, -1:].argmax(-1)
     return n / (_clock(model.device) - t0)
 
 
@@ -56,8 +56,8 @@ def bare_loop_tokens_per_s(model, prompt: list[int], n: int) -> float:
 def block_costs(model, prompt: list[int], ks=(1, 2, 3, 4, 5, 8, 16, 32), reps: int = 5) -> dict:
     """Median seconds of a k-token forward on a cache of the prompt, with and without the kernel (the
     kernel is CPU-only: on a GPU only the plain forward is timed)."""
-    cache = DynamicCache(config=model.config)
-    model(torch.tensor([prompt], device=model.device), past_key_values=cache, use_cache=True)
+    cache = seam.new_cache(model)
+    seam.forward(model, torch.tensor([prompt], device=model.device), cache)
     out = {}
     for kernel in (False, True) if model.device.type == "cpu" else (False,):
         with small_batch_linear(model, enabled=kernel):
@@ -66,9 +66,9 @@ def block_costs(model, prompt: list[int], ks=(1, 2, 3, 4, 5, 8, 16, 32), reps: i
                 times = []
                 for _ in range(reps):
                     t0 = _clock(model.device)
-                    model(x, past_key_values=cache, use_cache=True)
+                    seam.forward(model, x, cache)
                     times.append(_clock(model.device) - t0)
-                    cache.crop(-k)
+                    seam.crop(cache, len(prompt))
                 out[f"{'kernel' if kernel else 'blas'}_k{k}"] = sorted(times)[reps // 2]
     return out
 

@@ -125,7 +125,7 @@ MUTANTS = [
     Mutant(
         "strict_residual_is_p",
         "strict mode replaces a rejected pending token by a sample of p, not of the residual max(0, p - q)",
-        "decoding/specpv.py",
+        "decoding/verify.py",
         [
             (
                 "    return k, int(sample(residual_probs(p[k], q[k]), gen))",
@@ -154,12 +154,11 @@ MUTANTS = [
     Mutant(
         "third_draft_always_accepted",
         "the chain's rejection rule accepts every draft from depth 3 on",
-        "decoding/engine.py",
+        "decoding/verify.py",
         [
             (
-                "    ok = accept_draft_tokens(p[:n], q, torch.tensor(tree.tokens, device=p.device), gen).tolist()\n",
-                "    ok = accept_draft_tokens(p[:n], q, torch.tensor(tree.tokens, device=p.device), gen).tolist()\n"
-                "    ok = [o or i >= 2 for i, o in enumerate(ok)]\n",
+                "    rejected = first_rejection(p[:n], q, torch.tensor(tree.tokens, device=p.device), gen)\n",
+                "    rejected = first_rejection(p[:2], q[:2], torch.tensor(tree.tokens[:2], device=p.device), gen)\n",
             )
         ],
         ["tests/test_decoding_sampling.py::test_sampled_output_follows_the_target_distribution"],
@@ -168,7 +167,7 @@ MUTANTS = [
     Mutant(
         "accept_ignores_q",
         "the accept test is u < p(x) instead of u q(x) < p(x)",
-        "decoding/sampling.py",
+        "decoding/verify.py",
         [("    return u * qx < px\n", "    return u < px\n")],
         ["tests/test_block_drafter.py::test_sampled_output_follows_the_target_distribution"],
         ["tests/test_block_drafter.py::test_sampled_output_follows_the_target_distribution"],
@@ -179,8 +178,8 @@ MUTANTS = [
         "corpus/features.py",
         [
             (
-                '            if path.is_file() and _sha256(path) == shard["sha256"]:',
-                "            if path.is_file():",
+                '        if path.is_file() and _sha256(path) == shard["sha256"]:',
+                "        if path.is_file():",
             )
         ],
         ["tests/test_features.py::test_corrupted_shard_is_redone"],

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvshot_lib.target import capture, decoder_layers
+from kvshot_lib.target import forward as seam
 
 LAYERS = [0, 3, 7]
 
@@ -17,22 +18,23 @@ def _ids(seed, shape):
 def test_logits_identical_with_and_without_capture(tiny_target):
     model = tiny_target.model
     ids = _ids(0, (2, 17))
-    ref = model(ids).logits
+    ref = seam.forward(model, ids).logits
     with capture(model, LAYERS, hidden=True, kv=True, queries=True):
-        got = model(ids).logits
+        got = seam.forward(model, ids).logits
     assert torch.equal(ref, got)
 
 
 def test_captured_kv_equal_cache_contents_over_prefill_and_decode(tiny_target):
     model = tiny_target.model
+    cache = seam.new_cache(model)
     with capture(model, LAYERS) as rec:
-        out = model(_ids(1, (2, 11)), use_cache=True)
-        out = model(_ids(2, (2, 4)), past_key_values=out.past_key_values, use_cache=True)  # multi-token step
-        out = model(_ids(3, (2, 1)), past_key_values=out.past_key_values, use_cache=True)
-    cache = out.past_key_values
+        seam.forward(model, _ids(1, (2, 11)), cache)
+        seam.forward(model, _ids(2, (2, 4)), cache)  # multi-token step
+        seam.forward(model, _ids(3, (2, 1)), cache)
     for layer in LAYERS:
-        assert torch.equal(rec.keys_at(layer), cache.layers[layer].keys)  # [B, kvH, 16, D]
-        assert torch.equal(rec.values_at(layer), cache.layers[layer].values)
+        keys, values = seam.layer_kv(cache, layer)
+        assert torch.equal(rec.keys_at(layer), keys)  # [B, kvH, 16, D]
+        assert torch.equal(rec.values_at(layer), values)
         assert rec.keys_at(layer).shape[2] == 16
 
 
@@ -40,7 +42,7 @@ def test_hidden_states_match_output_hidden_states(tiny_target):
     model = tiny_target.model
     ids = _ids(4, (1, 9))
     with capture(model, LAYERS, kv=False) as rec:
-        out = model(ids, output_hidden_states=True)
+        out = seam.forward(model, ids, hidden_states=True)
     for layer in LAYERS[:-1]:  # the last layer's entry in output_hidden_states is after the final norm
         assert torch.equal(rec.hidden_at(layer), out.hidden_states[layer + 1])
 
@@ -58,7 +60,7 @@ def test_queries_reproduce_attention_output(tiny_target):
     ]
     try:
         with capture(model, LAYERS, hidden=False, kv=True, queries=True) as rec:
-            model(_ids(5, (2, 13)))
+            seam.forward(model, _ids(5, (2, 13)))
     finally:
         for h in hooks:
             h.remove()
@@ -84,15 +86,15 @@ def test_everything_is_undone_even_when_the_forward_raises(tiny_llama):
     ]  # transformers may keep hooks of its own (hidden states)
     with pytest.raises(RuntimeError, match="boom"):
         with capture(model, LAYERS, hidden=True, kv=True, queries=True):
-            model(_ids(6, (1, 5)))
+            seam.forward(model, _ids(6, (1, 5)))
             raise RuntimeError("boom")
     assert model.config._attn_implementation == impl
     for b, hooks in zip(blocks, before):
         assert dict(b._forward_hooks) == hooks
         assert not [n for n in vars(b.self_attn) if n.startswith("_kvshot")]
-    ref = model(_ids(7, (1, 5))).logits
+    ref = seam.forward(model, _ids(7, (1, 5))).logits
     with capture(model, LAYERS):
-        assert torch.equal(model(_ids(7, (1, 5))).logits, ref)
+        assert torch.equal(seam.forward(model, _ids(7, (1, 5))).logits, ref)
 
 
 def test_out_of_range_layer_is_a_clear_error(tiny_llama):

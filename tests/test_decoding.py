@@ -17,7 +17,6 @@ a task that needs it, against its zeroed-KV control (``test_kv_drafter_beats_its
 import pytest
 import torch
 from conftest import TEST_DEVICE, random_prompts, spread_target
-from transformers import DynamicCache
 
 from kvshot_lib import decoding
 from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, engine, speculative_generate
@@ -30,6 +29,7 @@ from kvshot_lib.drafters import (
     resolve_drafter,
 )
 from kvshot_lib.evaluation import metrics
+from kvshot_lib.target import forward as seam
 from kvshot_lib.training import Objective, TrainConfig, batch_from_target
 
 N_PROMPTS = 50
@@ -302,8 +302,8 @@ def test_context_limit_is_respected(llama, prompts, reference):
 
 def _assert_cache_matches_prefill(model, cache, committed):
     assert cache.get_seq_length() == committed.shape[1]
-    fresh = DynamicCache(config=model.config)
-    model(input_ids=committed, past_key_values=fresh, use_cache=True)
+    fresh = seam.new_cache(model)
+    seam.forward(model, committed, fresh)
     for got, want in zip(cache.layers, fresh.layers):
         torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=0)
         torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=0)

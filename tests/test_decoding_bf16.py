@@ -9,7 +9,6 @@ margin is below ``NEAR_TIE = 0.05``. A disagreement between the two precisions i
 import pytest
 import torch
 from conftest import random_prompts
-from transformers import DynamicCache
 
 from kvshot_lib.decoding import (
     CostModel,
@@ -29,6 +28,7 @@ from kvshot_lib.drafters import (
 )
 from kvshot_lib.evaluation import precision_setups
 from kvshot_lib.target import cast_target, decode_dtype, load_target, precision_label
+from kvshot_lib.target import forward as seam
 
 NEAR_TIE = 0.05
 PARENTS = [-1, 0, 0, 1, 2, 2, 5]  # a 7-node tree under the root
@@ -45,16 +45,12 @@ def pair(request):
 def verify_logits(target, prompt: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
     """The engine's verification forward: ``block [1, 8]`` (root + 7 nodes) over a cache of ``prompt``."""
     model = target.model
-    cache = DynamicCache(config=model.config)
-    model(prompt, past_key_values=cache, use_cache=True)
+    cache = seam.new_cache(model)
+    seam.forward(model, prompt, cache)
     P = prompt.shape[1]
     mask = tree_attention_mask(ancestor_matrix(PARENTS), P, next(model.parameters()).dtype)
     pos = torch.tensor([[P, *(P + 1 + d for d in DEPTHS)]])
-    return (
-        model(block, past_key_values=cache, position_ids=pos, attention_mask=mask, use_cache=True)
-        .logits[0]
-        .float()
-    )
+    return seam.forward(model, block, cache, pos, mask).logits[0].float()
 
 
 def test_cast_target_is_a_bf16_copy(pair):
@@ -109,7 +105,8 @@ def test_bf16_speculative_greedy_equals_bf16_plain_decoding_up_to_near_ties(amx_
                         continue
                     pos = next(i for i, (x, y) in enumerate(zip(out, ref)) if x != y)
                     with torch.inference_mode():
-                        logits = s.target.model(torch.tensor([prompt + ref[:pos]])).logits[0, -1].float()
+                        ids = torch.tensor([prompt + ref[:pos]])
+                        logits = seam.forward(s.target.model, ids).logits[0, -1].float()
                     top = logits.topk(2).values
                     assert float(top[0] - top[1]) < NEAR_TIE, (name, mode, pos)
 

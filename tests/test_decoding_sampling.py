@@ -51,6 +51,7 @@ from kvshot_lib.drafters import (
     save_drafter,
 )
 from kvshot_lib.target import TINY_CONFIG, Target, TargetInfo
+from kvshot_lib.target import forward as seam
 from kvshot_lib.training import Objective, TrainConfig, batch_from_target
 
 POWER = 0.8  # against a 5% distortion (module docstring)
@@ -101,9 +102,8 @@ def exact_joint(target, prompt, n_tokens, temperature, top_k):
         for _ in range(n_tokens):
             nxt = {}
             for prefix, prob in out.items():
-                logits = target.model(
-                    torch.tensor([prompt + list(prefix)], device=target.model.device)
-                ).logits[0, -1]
+                ids = torch.tensor([prompt + list(prefix)], device=target.model.device)
+                logits = seam.forward(target.model, ids).logits[0, -1]
                 p = logits_to_probs(logits, temperature, top_k)
                 for t in p.nonzero()[:, 0].tolist():
                     nxt[prefix + (t,)] = prob * float(p[t])
@@ -218,7 +218,7 @@ def test_drafters_get_exactly_the_newly_committed_hidden_states(llama, mode):
     )
     full = torch.tensor([prompt + out.token_ids], device=llama.model.device)
     with torch.inference_mode():
-        states = llama.model(full, output_hidden_states=True).hidden_states
+        states = seam.forward(llama.model, full, hidden_states=True).hidden_states
     seen = 0
     for committed_len, hidden, cached in probe.calls:
         assert cached == committed_len - 1, "the target's cache holds everything but the root"
@@ -331,7 +331,7 @@ def lookup_prompt(target) -> list[int]:
 
     def firsts(prompt):
         with torch.inference_mode():
-            logits = target.model(torch.tensor([prompt])).logits[0, -1]
+            logits = seam.forward(target.model, torch.tensor([prompt])).logits[0, -1]
         return logits_to_probs(logits, 1.0, TOP_K).nonzero()[:, 0].tolist()
 
     for seed in range(50):

@@ -8,7 +8,6 @@ decoding there, which the strict-mode test shows before it shows ``strict`` equa
 import pytest
 import torch
 from conftest import spread_target
-from transformers import DynamicCache
 
 from kvshot_lib.decoding import (
     BlockSummaries,
@@ -33,6 +32,7 @@ from kvshot_lib.drafters import (
     tree_attention_mask,
 )
 from kvshot_lib.evaluation import FidelityProbe, rouge_l, shadow_full, specpv_fidelity
+from kvshot_lib.target import forward as seam
 
 SMALL = dict(budget=96, sink=32, window=32)  # R = 2 retrieved blocks of 16
 
@@ -193,8 +193,8 @@ def test_full_cache_equals_a_fresh_prefill_after_every_full_pass(llama, strict):
     checked = []
 
     def on_full(committed, cache):
-        fresh = DynamicCache(config=llama.model.config)
-        llama.model(input_ids=committed, past_key_values=fresh, use_cache=True)
+        fresh = seam.new_cache(llama.model)
+        seam.forward(llama.model, committed, fresh)
         assert cache.get_seq_length() == committed.shape[1]
         for a, b in zip(cache.layers, fresh.layers):  # float noise relative to the largest entry: the re-fed
             # block and the fresh prefill run different row counts, so BLAS (and the small-batch kernel) sum in
@@ -344,10 +344,8 @@ def test_partial_cache_refresh_selects_top_blocks(llama):
     complete blocks and the tail are the window (208..249), so the candidates are the 11 blocks of
     positions 32 + 16 b .. 47 + 16 b, b = 0..10, of which R = 2 are kept."""
     model = llama.model
-    cache = DynamicCache(config=model.config)
-    model(
-        input_ids=torch.tensor([long_prompt(250)], device=model.device), past_key_values=cache, use_cache=True
-    )
+    cache = seam.new_cache(model)
+    seam.forward(model, torch.tensor([long_prompt(250)], device=model.device), cache)
     cfg = PartialKVConfig(**SMALL)
     g = torch.Generator().manual_seed(0)
     H, D = model.config.num_attention_heads, model.config.head_dim

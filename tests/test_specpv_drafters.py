@@ -24,6 +24,7 @@ from kvshot_lib.decoding import (
     specpv_generate,
 )
 from kvshot_lib.drafters import TargetView, build_drafter, drafter_config_for
+from kvshot_lib.target import forward as seam
 
 SMALL = dict(budget=96, sink=32, window=32)  # R = 2 retrieved blocks of 16
 PROMPT_LEN, NEW = 200, 32
@@ -63,12 +64,12 @@ class ExactContextCheck:
             logits = start(committed, view)
             P = committed.shape[1] - 1
             with torch.inference_mode():
-                out = self.target.model.model(  # no LM head: the cache and hidden states are enough
-                    input_ids=committed[:, :P], use_cache=True, output_hidden_states=True
-                )
+                model, cache = self.target.model, seam.new_cache(self.target.model)
+                # one logit row: the cache and the hidden states are what the drafter reads
+                out = seam.forward(model, committed[:, :P], cache, logits_to_keep=1, hidden_states=True)
                 hidden = {layer: out.hidden_states[layer + 1] for layer in session.hidden_layers}
                 fresh = self.drafter.new_session()
-                want = fresh.start_cycle(committed, TargetView(out.past_key_values, hidden))
+                want = fresh.start_cycle(committed, TargetView(cache, hidden))
             diff = ((logits - want).abs().max() / want.abs().max()).item()
             self.rows.append(("full" if isinstance(view.cache, DynamicCache) else "pending", diff))
             return logits

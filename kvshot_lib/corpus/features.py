@@ -94,16 +94,15 @@ def _check_layers(layers: Sequence[int], n_layers: int, what: str) -> list[int]:
 
 
 @torch.inference_mode()
-def _extract_sequence(
-    target: Target, ids: torch.Tensor, hidden_layers, kv_layers, dtype, precision: str = "no"
-) -> dict:
-    model = target.model
-    with autocast(precision, next(model.parameters()).device):
-        f = sequence_features(model, ids[None], hidden_layers, kv_layers)
+def _extract_sequence(target: Target, ids: torch.Tensor, manifest: dict) -> dict:
+    """One sequence's features, as the manifest asks for them (layers, dtype, precision)."""
+    model, dtype = target.model, _DTYPES[manifest["dtype"]]
+    with autocast(manifest["precision"], next(model.parameters()).device):
+        f = sequence_features(model, ids[None], manifest["hidden_layers"], manifest["kv_layers"])
     feats = {"final_hidden": f.final[0].to(dtype).cpu()}  # [T, hidden], after the final norm
-    for layer in hidden_layers:
+    for layer in manifest["hidden_layers"]:
         feats[f"hidden.{layer}"] = f.hidden[layer][0].to(dtype).cpu()  # [T, hidden]
-    for layer in kv_layers:
+    for layer in manifest["kv_layers"]:
         feats[f"keys.{layer}"] = f.keys[layer][0].transpose(0, 1).to(dtype).cpu()  # [T, kvH, D]
         feats[f"values.{layer}"] = f.values[layer][0].transpose(0, 1).to(dtype).cpu()
     for name, x in feats.items():
@@ -146,9 +145,43 @@ def extract_features(
         if out_dir
         else default_store_dir(target, split, hidden_layers, kv_layers, dtype, precision)
     )
+    manifest = _manifest(target, split, hidden_layers, kv_layers, dtype, precision, shard_tokens)
+    # A finished store is only read: runs sharing it can start together, and it keeps its machine record.
+    if _resume(out, manifest):
+        return FeatureStore(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.tmp"):
+        stale.unlink()
+    finished = {s["index"] for s in manifest["shards"]}
+    bar = tqdm(
+        total=manifest["n_tokens"],
+        initial=sum(s["tokens"] for s in manifest["shards"]),
+        unit="tok",
+        desc=f"extracting features ({info.name})",
+        smoothing=0.1,
+    )
+    for i in range(len(manifest["shard_plan"])):
+        if i not in finished:
+            _write_shard(out, manifest, i, target, split, bar)
+    bar.close()
+    manifest["shards"].sort(key=lambda s: s["index"])
+    manifest["complete"] = True
+    manifest["content_hash"] = hashlib.sha256(
+        "".join(s["sha256"] for s in manifest["shards"]).encode()
+    ).hexdigest()
+    manifest["bytes"] = sum(s["bytes"] for s in manifest["shards"])
+    manifest["bytes_per_token"] = manifest["bytes"] / max(1, manifest["n_tokens"])
+    _write_manifest(out, manifest)
+    return FeatureStore(out)
+
+
+def _manifest(
+    target: Target, split: TokenizedSplit, hidden_layers, kv_layers, dtype, precision, shard_tokens
+) -> dict:
+    """The manifest of a store not yet extracted: what it holds, and its plan of shards."""
+    info = target.info
     lengths = [len(x) for x in split.ids]
-    plan = [list(p) for p in _plan_shards(lengths, shard_tokens)]
-    manifest = dict(
+    return dict(
         format=FORMAT,
         target=info.name,
         target_fingerprint=info.fingerprint,
@@ -163,93 +196,65 @@ def extract_features(
         head_dim=info.head_dim,
         n_sequences=len(lengths),
         n_tokens=sum(lengths),
-        shard_plan=plan,
+        shard_plan=[list(p) for p in _plan_shards(lengths, shard_tokens)],
         shards=[],
         complete=False,
         extraction_seconds=0.0,
     )
-    done: list[dict] = []
-    if (out / "manifest.json").is_file():
-        old = json.loads((out / "manifest.json").read_text())
-        keys = (
-            "format",
-            "target",
-            "target_fingerprint",
-            "hidden_layers",
-            "kv_layers",
-            "dtype",
-            "precision",
-            "data",
-            "shard_plan",
+
+
+def _resume(out: Path, manifest: dict) -> bool:
+    """Take over, into ``manifest``, the intact shards and the time of an extraction into ``out`` of the same
+    store (refusing a store of anything else); whether that store is complete."""
+    if not (out / "manifest.json").is_file():
+        return False
+    old = json.loads((out / "manifest.json").read_text())
+    old.setdefault("precision", "no")  # stores from before precision was recorded ran in float32
+    made = ("format", "target", "target_fingerprint", "hidden_layers", "kv_layers", "dtype", "precision")
+    diff = {k: (old.get(k), manifest[k]) for k in (*made, "data", "shard_plan") if old.get(k) != manifest[k]}
+    if diff:
+        lines = "\n".join(f"  {k}: on disk {a!r}, requested {b!r}" for k, (a, b) in diff.items())
+        raise FeatureStoreMismatch(
+            f"The feature store at {out} was made for something else:\n{lines}\n"
+            "Choose another out_dir, or delete that folder to re-extract."
         )
-        old.setdefault("precision", "no")  # stores from before precision was recorded ran in float32
-        diff = {k: (old.get(k), manifest[k]) for k in keys if old.get(k) != manifest[k]}
-        if diff:
-            lines = "\n".join(f"  {k}: on disk {a!r}, requested {b!r}" for k, (a, b) in diff.items())
-            raise FeatureStoreMismatch(
-                f"The feature store at {out} was made for something else:\n{lines}\n"
-                "Choose another out_dir, or delete that folder to re-extract."
-            )
-        manifest["extraction_seconds"] = old.get("extraction_seconds", 0.0)
-        for shard in old.get("shards", []):
-            path = out / shard["file"]
-            if path.is_file() and _sha256(path) == shard["sha256"]:
-                done.append(shard)
-        # A finished store is only read: runs sharing it can start together, and it keeps its machine record.
-        if old.get("complete") and len(done) == len(plan):
-            return FeatureStore(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("*.tmp"):
-        stale.unlink()
-    manifest["shards"] = done
-    finished = {s["index"] for s in done}
-    todo = [i for i in range(len(plan)) if i not in finished]
-    torch_dtype = _DTYPES[dtype]
-    bar = tqdm(
-        total=manifest["n_tokens"],
-        initial=sum(s["tokens"] for s in done),
-        unit="tok",
-        desc=f"extracting features ({info.name})",
-        smoothing=0.1,
+    manifest["extraction_seconds"] = old.get("extraction_seconds", 0.0)
+    for shard in old.get("shards", []):
+        path = out / shard["file"]
+        if path.is_file() and _sha256(path) == shard["sha256"]:
+            manifest["shards"].append(shard)
+    return bool(old.get("complete")) and len(manifest["shards"]) == len(manifest["shard_plan"])
+
+
+def _write_shard(out: Path, manifest: dict, i: int, target: Target, split: TokenizedSplit, bar) -> None:
+    """Extract shard ``i`` of the manifest's plan, write it (under a temporary name, then renamed) and record it
+    in the manifest, on disk too."""
+    start, end = manifest["shard_plan"][i]
+    lengths = [len(x) for x in split.ids[start:end]]
+    t0 = time.perf_counter()
+    parts = []
+    for ids in split.ids[start:end]:
+        parts.append(_extract_sequence(target, ids, manifest))
+        bar.update(len(ids))
+    tensors = {k: torch.cat([p[k] for p in parts]).contiguous() for k in parts[0]}
+    tensors["input_ids"] = torch.cat(split.ids[start:end]).to(torch.int32)
+    tensors["loss_mask"] = torch.cat(split.loss_mask[start:end]).to(torch.uint8)
+    tensors["lengths"] = torch.tensor(lengths, dtype=torch.int64)
+    name = f"shard-{i:05d}.safetensors"
+    save_file(tensors, str(out / (name + ".tmp")))
+    (out / (name + ".tmp")).rename(out / name)
+    manifest["extraction_seconds"] += time.perf_counter() - t0
+    manifest["shards"].append(
+        dict(
+            index=i,
+            file=name,
+            sequences=[start, end],
+            tokens=sum(lengths),
+            bytes=(out / name).stat().st_size,
+            sha256=_sha256(out / name),
+        )
     )
-    for i in todo:
-        start, end = plan[i]
-        t0 = time.perf_counter()
-        parts = []
-        for j in range(start, end):
-            parts.append(
-                _extract_sequence(target, split.ids[j], hidden_layers, kv_layers, torch_dtype, precision)
-            )
-            bar.update(lengths[j])
-        tensors = {k: torch.cat([p[k] for p in parts]).contiguous() for k in parts[0]}
-        tensors["input_ids"] = torch.cat(split.ids[start:end]).to(torch.int32)
-        tensors["loss_mask"] = torch.cat(split.loss_mask[start:end]).to(torch.uint8)
-        tensors["lengths"] = torch.tensor(lengths[start:end], dtype=torch.int64)
-        name = f"shard-{i:05d}.safetensors"
-        save_file(tensors, str(out / (name + ".tmp")))
-        (out / (name + ".tmp")).rename(out / name)
-        manifest["extraction_seconds"] += time.perf_counter() - t0
-        manifest["shards"].append(
-            dict(
-                index=i,
-                file=name,
-                sequences=[start, end],
-                tokens=sum(lengths[start:end]),
-                bytes=(out / name).stat().st_size,
-                sha256=_sha256(out / name),
-            )
-        )
-        _write_manifest(out, manifest)
-    bar.close()
-    manifest["shards"].sort(key=lambda s: s["index"])
-    manifest["complete"] = True
-    manifest["content_hash"] = hashlib.sha256(
-        "".join(s["sha256"] for s in manifest["shards"]).encode()
-    ).hexdigest()
-    manifest["bytes"] = sum(s["bytes"] for s in manifest["shards"])
-    manifest["bytes_per_token"] = manifest["bytes"] / max(1, manifest["n_tokens"])
     _write_manifest(out, manifest)
-    return FeatureStore(out)
 
 
 def _write_manifest(out: Path, manifest: dict) -> None:

@@ -1,22 +1,27 @@
-"""The decoding stage: the lossless speculative decoding engine.
+"""The decoding stage: the lossless speculative decoding engine. Where each concept lives:
 
-* :func:`generate` (:mod:`.dispatch`) decodes a prompt in one of three *modes*: plainly (``ar``), with a chain
-  of drafts, or with an EAGLE-2 dynamic tree (:class:`DecodeConfig`), verifying greedily or with the
-  rejection-sampling rule (:mod:`.sampling`);
-* :mod:`.cycle` holds what every loop shares: a :class:`Prefill` of the prompt, then *cycles* (draft, verify,
-  commit) carried by a :class:`CycleState`; :mod:`.engine` verifies and runs the plain and speculative loops;
-* :mod:`.tree` drafts one cycle through a drafter's session in a fixed shape; :mod:`.proposal` drafts it in a
-  shape chosen by expected speed (:mod:`.shapes`: accepted tokens per second from online acceptance estimates and
-  :mod:`.cost_model`'s measured costs, with an early stop), and joins prompt lookup's continuation to it;
-  :mod:`.kernels` holds the small-batch matmul that makes a decoding step and a verified block cheap on a CPU;
-* :mod:`.specpv` verifies against a partial KV cache (:mod:`.partial_kv`: sinks, retrieved blocks, a
-  window, a buffer) with a full pass once ``full_every`` tokens are pending (SpecPV), in one of two
-  *variants*: ``specpv`` (the paper's) or ``strict`` (lossless); ``generate(..., partial=SpecPVConfig(...))``.
+* :mod:`.generate`: :func:`generate`, the one entry point: plain (``ar``), chain or tree decoding, or SpecPV;
+* :mod:`.config`: :class:`DecodeConfig` (the *mode*, sampling, draft sizes and shape) and :class:`GenerationResult`;
+* :mod:`.cycle`: what every loop shares: a :class:`Prefill` of the prompt, then *cycles* (draft, verify, commit)
+  carried by a :class:`CycleState`;
+* :mod:`.engine`: the plain and the speculative loop;
+* :mod:`.verify`: the acceptance rule: greedy match, rejection sampling, the accepted path and the bonus token;
+* :mod:`.sampling`: from logits to the distributions drafts and the target's tokens are drawn from;
+* :mod:`.tree`: :class:`DraftTree` and the fixed shapes: a chain, and EAGLE-2's dynamic tree (its one builder);
+* :mod:`.proposal`: shapes chosen by expected speed, and prompt lookup's continuation joined to the drafts;
+* :mod:`.speed_model`: the acceptance estimates and the expected tokens per second shapes are chosen by;
+* :mod:`.cost_model`: what a cycle costs on this machine, measured once and cached;
+* :mod:`.kernels`: the small-batch matmul that makes a decoding step and a verified block cheap on a CPU;
+* :mod:`.partial_kv`: SpecPV's partial KV cache (sinks, retrieved blocks, a window, a buffer);
+* :mod:`.specpv`: verification against it, with a full pass once ``full_every`` tokens are pending, in two
+  *variants*: ``specpv`` (the paper's) or ``strict`` (lossless);
+* :mod:`.cli`: ``kvshot generate``.
 
 It hands :class:`GenerationResult` objects (tokens, accepted tokens per cycle, per-step counts, timings) to
 evaluation.
 """
 
+from .config import MODES, SHAPES, DecodeConfig, GenerationResult
 from .cost_model import (
     CostModel,
     DrafterCost,
@@ -25,25 +30,9 @@ from .cost_model import (
     measure_drafter,
     measure_verification,
 )
-from .cycle import (
-    MODES,
-    SHAPES,
-    CycleState,
-    DecodeConfig,
-    GenerationResult,
-    Prefill,
-    draft_cycle,
-    keep_block_positions,
-    stop_tokens,
-)
-from .dispatch import generate
-from .engine import (
-    autoregressive_generate,
-    speculative_generate,
-    verify_sampled_chain,
-    verify_tree,
-    walk_tree,
-)
+from .cycle import CycleState, Prefill, draft_cycle, keep_block_positions, stop_tokens
+from .engine import autoregressive_generate, speculative_generate
+from .generate import generate
 from .kernels import small_batch_linear
 from .partial_kv import (
     BlockSummaries,
@@ -55,15 +44,9 @@ from .partial_kv import (
     selected_positions,
 )
 from .proposal import add_lookup, chosen_chain, chosen_tree, lookup_chain, select_by_value
-from .sampling import (
-    accept_draft_tokens,
-    check_sampling_args,
-    logits_to_probs,
-    rejection_sample,
-    residual_probs,
-    sample,
-)
-from .shapes import (
+from .sampling import check_sampling_args, logits_to_probs, sample
+from .specpv import VARIANTS, SpecPVConfig, SpecPVResult, specpv_generate
+from .speed_model import (
     AcceptanceModel,
     SpeedModel,
     best_chain_length,
@@ -72,8 +55,15 @@ from .shapes import (
     chain_values,
     expected_tokens,
 )
-from .specpv import VARIANTS, SpecPVConfig, SpecPVResult, specpv_generate
 from .tree import DraftTree, draft_chain, draft_dynamic_tree
+from .verify import (
+    accept_draft_tokens,
+    rejection_sample,
+    residual_probs,
+    verify_sampled_chain,
+    verify_tree,
+    walk_tree,
+)
 
 __all__ = [
     "AcceptanceModel",

@@ -27,13 +27,14 @@ import json
 import sys
 from pathlib import Path
 
+from ..drafters.base import SessionFactory
 from ..drafters.baselines import BASELINES, drafter_for_target, is_baseline_name, resolve_drafter
 from ..drafters.checkpoint import read_config
 from ..drafters.eagle3_format import is_eagle3_folder
-from ..target import target_architecture
+from ..target import Target, target_architecture
 from ..target.precision import DECODE_PRECISIONS
-from .cycle import MODES, SHAPES, DecodeConfig
-from .dispatch import generate
+from .config import MODES, SHAPES, DecodeConfig
+from .generate import generate
 from .specpv import SpecPVConfig
 
 
@@ -140,7 +141,7 @@ def check_drafter_spec(spec: str, target: str | None = None) -> None:
         )
 
 
-def load_cli_drafter(spec: str, target, seed: int):
+def load_cli_drafter(spec: str, target: Target, seed: int) -> SessionFactory | None:
     """The drafter of ``spec`` for the loaded ``target``; what only the loaded target can refuse (a checkpoint
     of the same architecture with other weights, an early exit deeper than it) is a one-line error."""
     try:
@@ -233,7 +234,7 @@ def _cli_generate(args) -> int:
         speed = None
         if args.shape == "chosen":
             from .cost_model import cost_model_for
-            from .shapes import SpeedModel
+            from .speed_model import SpeedModel
 
             speed = SpeedModel(cost_model_for(target, {args.drafter: drafter}), args.drafter)
         cfg = replace(cfg, shape=args.shape, lookup=args.lookup, speed=speed).validate()
@@ -290,7 +291,7 @@ def _cli_generate(args) -> int:
     return 0
 
 
-def _in_precision(target, drafter, precision: str):
+def _in_precision(target: Target, drafter: SessionFactory | None, precision: str):
     """The target cast to ``precision`` (a copy unless it is in that dtype already) and the drafter bound to it."""
     from ..target import cast_target
     from .cost_model import decode_precision

@@ -1,7 +1,7 @@
 """What one speculative cycle costs on this machine, in this precision: measured once, saved, reused.
 
 A cycle is drafting, one target forward over the root and the drafted nodes, and the commit. The draft shape
-that decodes fastest (:mod:`.shapes`) trades expected accepted tokens against these seconds, so they are
+that decodes fastest (:mod:`.speed_model`) trades expected accepted tokens against these seconds, so they are
 measured, not assumed (vLLM profiles each step shape at start-up for the same reason):
 
 * ``verify_chain[k]`` / ``verify_tree[k]``: one target forward of a ``k``-token block (the root and ``k - 1``
@@ -35,7 +35,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..drafters.base import DraftSession, SessionFactory, TargetView
 from ..drafters.tree_mask import ancestor_matrix, tree_attention_mask
+from ..target import Target
 from ..target.disk_cache import read_table, save_entry
 from ..target.forward import crop, forward, new_cache
 from ..target.loading import cast_target
@@ -47,7 +49,8 @@ from ..target.precision import (
     decode_dtype,
     precision_label,
 )
-from .cycle import DecodeConfig, keep_block_positions
+from .config import DecodeConfig
+from .cycle import keep_block_positions
 from .engine import speculative_generate
 from .kernels import small_batch_linear
 
@@ -163,7 +166,7 @@ def _clock(device: torch.device) -> float:
 
 @torch.inference_mode()
 def measure_verification(
-    target, context: int = 256, sizes=BLOCK_SIZES, reps: int = 12, kernel: bool = True
+    target: Target, context: int = 256, sizes=BLOCK_SIZES, reps: int = 12, kernel: bool = True
 ) -> tuple[dict[int, float], dict[int, float], float]:
     """Seconds (the fastest repetition, made non-decreasing in k) of a ``k``-token forward (causal, then tree-masked) on a cache of ``context`` random
     tokens for every ``k`` in ``sizes``, and the seconds of a commit; sizes interleaved per repetition."""
@@ -206,13 +209,13 @@ def measure_verification(
 class TimedSession:
     """A draft session that times its own ``start_cycle`` and ``expand`` calls (by nodes per call)."""
 
-    def __init__(self, session, device):
+    def __init__(self, session: DraftSession, device):
         self.inner, self.device = session, device
         self.d2t, self.hidden_layers = session.d2t, session.hidden_layers
         self.start_times: list[float] = []
         self.expand_times: dict[int, list[float]] = defaultdict(list)
 
-    def start_cycle(self, committed, view):
+    def start_cycle(self, committed, view: TargetView):
         t0 = _clock(self.device)
         out = self.inner.start_cycle(committed, view)
         self.start_times.append(_clock(self.device) - t0)
@@ -230,7 +233,7 @@ class TimedSession:
 
 @dataclass
 class _TimedFactory:
-    drafter: object
+    drafter: SessionFactory
     device: torch.device
     sessions: list = field(default_factory=list)
 
@@ -244,7 +247,7 @@ class _TimedFactory:
 
 
 def measure_drafter(
-    target, drafter, context: int = 256, new_tokens: int = 24, widths=EXPAND_WIDTHS
+    target: Target, drafter: SessionFactory, context: int = 256, new_tokens: int = 24, widths=EXPAND_WIDTHS
 ) -> DrafterCost:
     """A drafter's ``start_cycle`` and ``expand`` seconds, timed inside real speculative cycles on a random prompt
     of ``context`` tokens: trees of depth 3 with ``n`` children per level, for ``n`` in ``widths``."""
@@ -275,7 +278,7 @@ def measure_drafter(
 # --------------------------------------------------------------------------------------------- the disk cache
 
 
-def cost_key(target, kernel: bool = True) -> str:
+def cost_key(target: Target, kernel: bool = True) -> str:
     dtype = next(target.model.parameters()).dtype
     return (
         f"{FORMAT}|{cpu_model() if target.model.device.type == 'cpu' else torch.cuda.get_device_name()}|torch {torch.__version__}"
@@ -288,7 +291,11 @@ COST_MODELS = "cost_models.json"
 
 
 def cost_model_for(
-    target, drafters: dict | None = None, context: int = 256, kernel: bool = True, remeasure: bool = False
+    target: Target,
+    drafters: dict | None = None,
+    context: int = 256,
+    kernel: bool = True,
+    remeasure: bool = False,
 ) -> CostModel:
     """The cost model of ``target`` in its dtype on this machine, with the costs of every drafter in ``drafters``
     (name -> SessionFactory): read from ``<cache>/cost_models.json``, what is missing measured and saved."""
@@ -323,7 +330,7 @@ PLAIN_STEP = "plain-step"  # the key prefix of a plain decoding step measured al
 PLAIN_STEP_REPS = 6  # its timed repetitions, after a warm-up (the cost model's full measurement takes 12)
 
 
-def plain_step_s(target, context: int = 256, kernel: bool = True) -> float:
+def plain_step_s(target: Target, context: int = 256, kernel: bool = True) -> float:
     """Seconds of one plain decoding step of ``target`` in its dtype (a one-token forward on a cache of ``context``
     tokens): ``verify_chain[1]`` of its cached cost model; where none is cached, that size measured alone (the
     fastest of :data:`PLAIN_STEP_REPS`) and cached in ``<cache>/cost_models.json`` beside the cost models."""
@@ -342,7 +349,7 @@ def plain_step_s(target, context: int = 256, kernel: bool = True) -> float:
     return chain[1]
 
 
-def decode_choice_for(target, context: int = 256, kernel: bool = True) -> PrecisionChoice:
+def decode_choice_for(target: Target, context: int = 256, kernel: bool = True) -> PrecisionChoice:
     """What ``auto`` decodes ``target`` in on this machine: the precision whose :func:`plain_step_s` is faster
     (bf16 by at least ``target.precision.BF16_MIN_GAIN``); fp32, timing nothing, where bf16 is not native."""
 
@@ -356,7 +363,7 @@ def decode_choice_for(target, context: int = 256, kernel: bool = True) -> Precis
     return decode_choice(target.info.device, step, basis)
 
 
-def decode_precision(target, precision: str = "auto", kernel: bool = True) -> torch.dtype:
+def decode_precision(target: Target, precision: str = "auto", kernel: bool = True) -> torch.dtype:
     """The dtype to decode ``target`` in: ``fp32`` or ``bf16`` as asked (``target.precision.decode_dtype``), or for
     ``auto`` the faster one here (:func:`decode_choice_for`)."""
     if precision == "auto":

@@ -1,7 +1,5 @@
 """What a decoding loop carries from cycle to cycle, and the steps every loop shares.
 
-* :class:`DecodeConfig` says how to decode, in one of three *modes* (:data:`MODES`: ``ar``, ``chain``,
-  ``tree``); :class:`GenerationResult` is what one generation measured;
 * a :class:`Prefill` is a prompt run through the target once; a generation starts from it or from a private
   copy of a shared one (the long-context benchmarks prefill each prompt once for every method);
 * a :class:`CycleState` carries a generation from one *cycle* to the next: the output so far, the committed
@@ -15,105 +13,20 @@ Plain speculative decoding (:mod:`.engine`), SpecPV (:mod:`.specpv`) and the gre
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from ..drafters.base import DraftSession, TargetView
 from ..drafters.baselines import NgramDrafter
+from ..target import Target
 from ..target.forward import clone_cache, forward, new_cache
+from .config import DecodeConfig, GenerationResult
 from .proposal import add_lookup, chosen_chain, chosen_tree, lookup_chain, select_by_value
-from .sampling import check_sampling_args, logits_to_probs, sample
-from .shapes import SpeedModel
 from .tree import DraftTree, draft_chain, draft_dynamic_tree
-
-MODES = ("ar", "chain", "tree")
-SHAPES = ("fixed", "chosen")
-
-
-@dataclass
-class DecodeConfig:
-    """How to decode. ``chain_depth`` is k, the number of drafted tokens per chain cycle; the tree has
-    ``tree_depth`` levels, ``tree_top_k`` children per expanded node and ``tree_budget`` nodes.
-
-    ``shape="chosen"`` drafts by expected speed (:mod:`.proposal`, :mod:`.shapes`): the fixed sizes become caps,
-    drafting stops when the next node is not worth its cost, and the verified nodes are those that maximize
-    expected tokens per second under ``speed`` (a :class:`~.shapes.SpeedModel`: the measured cost model and the
-    acceptance estimates, shared by the generations that pass it). ``lookup=True`` adds prompt lookup's
-    continuation (up to ``lookup_tokens``) to every cycle's proposal, verified in the same forward."""
-
-    mode: str = "chain"
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    chain_depth: int = 4
-    tree_depth: int = 6
-    tree_top_k: int = 4
-    tree_budget: int = 24
-    stop_token_ids: tuple[int, ...] | None = None  # None: the target's EOS ids
-    seed: int = 0
-    small_batch_kernel: bool = True  # CPU: a faster matmul for 1-8-token blocks (kvshot_lib.decoding.kernels)
-    shape: str = "fixed"  # "fixed" | "chosen" (by expected tokens per second; needs speed)
-    lookup: bool = False  # prompt lookup joins the drafter's proposal
-    lookup_tokens: int = 8
-    speed: SpeedModel | None = field(default=None, repr=False, compare=False)
-
-    def validate(self) -> DecodeConfig:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
-        if self.shape not in SHAPES:
-            raise ValueError(f"shape must be one of {SHAPES}, got {self.shape!r}.")
-        if self.shape == "chosen" and self.speed is None:
-            raise ValueError(
-                "shape='chosen' needs speed=SpeedModel(cost_model_for(target, {name: drafter}), name): the measured "
-                "costs and the acceptance estimates it chooses by."
-            )
-        check_sampling_args(self.temperature, self.top_k, self.top_p)
-        for name in (
-            "max_new_tokens",
-            "chain_depth",
-            "tree_depth",
-            "tree_top_k",
-            "tree_budget",
-            "lookup_tokens",
-        ):
-            value = getattr(self, name)
-            if (
-                not isinstance(value, int)
-                or isinstance(value, bool)
-                or value < (0 if name == "max_new_tokens" else 1)
-            ):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        return self
-
-
-@dataclass
-class GenerationResult:
-    """One generation: the new tokens and everything measured along the way."""
-
-    token_ids: list[int]  # generated tokens; a stop token, if hit, is the last one
-    prompt_len: int
-    stop_reason: str  # "stop_token" | "max_new_tokens" | "context"
-    accepted_per_cycle: list[int] = field(default_factory=list)  # drafts accepted per cycle (bonus excluded)
-    drafted_per_cycle: list[int] = field(default_factory=list)  # draft nodes verified per cycle
-    step_attempts: list[int] = field(default_factory=list)  # [k] cycles that reached draft step k
-    step_accepts: list[int] = field(default_factory=list)  # [k] ... and accepted it
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0  # the target's forward and the acceptance rule
-    commit_s: float = 0.0  # the cache moved into place, hidden states kept, tokens appended
-    total_s: float = 0.0
-
-    @property
-    def n_cycles(self) -> int:
-        return len(self.accepted_per_cycle)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """End to end: new tokens over wall time, prefill included."""
-        return len(self.token_ids) / self.total_s if self.total_s > 0 else float("nan")
+from .verify import choose_token
 
 
 def check_prompt(prompt_ids, max_context: int) -> Tensor:
@@ -130,13 +43,6 @@ def stop_tokens(cfg: DecodeConfig | None, info) -> tuple[int, ...]:
     """The tokens that end a generation, in order: ``cfg.stop_token_ids`` if given, else the target's EOS ids."""
     given = cfg.stop_token_ids if cfg is not None else None
     return tuple(given if given is not None else info.eos_token_ids)
-
-
-def choose_token(logits: Tensor, cfg: DecodeConfig, gen: torch.Generator) -> int:
-    """The target's own pick from ``logits [V]``: argmax, or a sample of its processed distribution."""
-    if cfg.temperature == 0:
-        return int(logits.argmax())
-    return int(sample(logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), gen))
 
 
 def keep_block_positions(cache, start: int, keep: list[int]) -> None:
@@ -166,7 +72,7 @@ class Prefill:
 
     @classmethod
     @torch.inference_mode()
-    def run(cls, target, prompt_ids, layers=(), store: dict | None = None) -> Prefill:
+    def run(cls, target: Target, prompt_ids, layers=(), store: dict | None = None) -> Prefill:
         """Run ``prompt_ids`` through the target, keeping the hidden states of ``layers``. ``store``: a dict
         that keeps prefills by prompt and layers, so that a prompt seen before is not run again."""
         key = (tuple(torch.as_tensor(prompt_ids).reshape(-1).tolist()), tuple(layers))
@@ -202,7 +108,7 @@ class Prefill:
 class CycleState:
     """What a decoding loop carries from one cycle to the next (batch size 1).
 
-    * ``result``: the output so far and everything counted (a :class:`GenerationResult` or a subclass);
+    * ``result``: the output so far and everything counted (a :class:`~.config.GenerationResult` or a subclass);
     * ``committed [1, T + max_new_tokens]``: the prompt and the committed tokens, ``root + 1`` of them so far;
     * ``hidden``: layer -> ``[1, n, H]``, the target's hidden states of the committed positions that the
       drafter has not seen yet (handed over by :meth:`draft`);
@@ -211,7 +117,7 @@ class CycleState:
     The *root*, the last committed token, is not in the target's cache yet: it sits at position ``root``.
     """
 
-    def __init__(self, target, prompt_ids, cfg: DecodeConfig, result_type=GenerationResult):
+    def __init__(self, target: Target, prompt_ids, cfg: DecodeConfig, result_type=GenerationResult):
         self.target, self.cfg, self.max_context = target, cfg, target.info.max_context
         self.ids = check_prompt(prompt_ids, self.max_context).to(target.model.device)  # [1, T]
         self.prompt_len = T = self.ids.shape[1]
@@ -254,7 +160,7 @@ class CycleState:
         P = self.root
         return min(self.cfg.max_new_tokens - len(self.result.token_ids), self.max_context - P - 1) - 1
 
-    def draft(self, session, view, cap: int, stop_after=None) -> DraftTree:
+    def draft(self, session: DraftSession, view: TargetView, cap: int, stop_after=None) -> DraftTree:
         """This cycle's drafts below the root (:func:`draft_cycle`); ``view``'s hidden states count as handed over."""
         tree = draft_cycle(
             session,
@@ -315,7 +221,14 @@ class CycleState:
 
 
 def draft_cycle(
-    session, cfg: DecodeConfig, committed: Tensor, view, cap: int, gen, stop_after=None, lookup=None
+    session: DraftSession,
+    cfg: DecodeConfig,
+    committed: Tensor,
+    view: TargetView,
+    cap: int,
+    gen,
+    stop_after=None,
+    lookup: DraftSession | None = None,
 ) -> DraftTree:
     """One cycle's drafts: a chain or a dynamic tree of at most ``cap`` tokens below the root ``committed[-1]``,
     of fixed size or chosen by expected speed (``cfg.shape``), with prompt lookup's continuation merged in when

@@ -1,16 +1,17 @@
 """One cycle's proposal with a shape chosen by expected speed, and prompt lookup joined into it.
 
-* :func:`chosen_chain`: a chain drafted one token at a time while :func:`~.shapes.best_expansion` says the next
+* :func:`chosen_chain`: a chain drafted one token at a time while :func:`~.speed_model.best_expansion` says the next
   token can pay for its drafter call;
-* :func:`chosen_tree`: EAGLE-2's dynamic tree (candidates ranked by value, the best frontier nodes expanded
-  level by level), where each level expands only as many nodes as pay for the call (none: drafting stops);
-* :func:`select_by_value`: the best ``n`` candidates by value, ``n`` chosen by :func:`~.shapes.best_size` (the
+* :func:`chosen_tree`: EAGLE-2's dynamic tree (:func:`~.tree.grow_tree`; candidates ranked by value, the best
+  frontier nodes expanded level by level), where each level expands only as many nodes as pay for the call (none:
+  drafting stops);
+* :func:`select_by_value`: the best ``n`` candidates by value, ``n`` chosen by :func:`~.speed_model.best_size` (the
   expected tokens per second of the cycle, drafting already paid) up to the budget;
 * :func:`add_lookup`: prompt lookup's continuation (the n-gram drafter of :mod:`kvshot_lib.drafters.baselines`,
   its argmax chain) merged into the drafter's tree as a path from the root: where it agrees with drafted nodes
   it follows them, where it departs it adds nodes. Verification stays one forward over the union.
 
-Values are acceptance estimates (:class:`~.shapes.AcceptanceModel`), so a shape changes which tokens are
+Values are acceptance estimates (:class:`~.speed_model.AcceptanceModel`), so a shape changes which tokens are
 verified, never which are committed: verification is the engine's lossless rule. At temperature > 0 a merged
 tree is verified by sampling the target and descending into a matching child (drafts that do not depend on
 that sample: lossless); only an untouched sampled chain keeps the rejection rule.
@@ -21,27 +22,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .sampling import logits_to_probs, sample
-from .shapes import SpeedModel, best_expansion, best_size
-from .tree import DraftTree
-
-
-def _probs(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
-    """The drafter's distribution the confidences are read from: softmax at temperature 0, else the processed
-    sampling distribution."""
-    if temperature == 0:
-        return torch.softmax(logits.float(), -1)
-    return logits_to_probs(logits, temperature, top_k, top_p)
-
-
-def _to_target(j: int, d2t) -> int:
-    return j if d2t is None else int(d2t[j])
+from ..drafters.base import DraftSession, TargetView
+from .sampling import sample
+from .speed_model import SpeedModel, best_expansion, best_size
+from .tree import DraftTree, draft_probs, grow_tree, to_target
 
 
 def chosen_chain(
-    session,
+    session: DraftSession,
     committed: Tensor,
-    view,
+    view: TargetView,
     max_depth: int,
     speed: SpeedModel,
     temperature: float = 0.0,
@@ -67,20 +57,20 @@ def chosen_chain(
             spent += speed.expand_s(1)
         if not torch.isfinite(logits.max()):
             break  # the drafter declines
-        q = _probs(logits, temperature, top_k, top_p)  # [V_draft]
+        q = draft_probs(logits, temperature, top_k, top_p)  # [V_draft]
         j = int(q.argmax()) if temperature == 0 else int(sample(q, generator))
         conf = float(q[j])
         value *= acc.rate(source, d, conf)
-        tree.add(_to_target(j, d2t), d - 1, d, conf, source, value)
+        tree.add(to_target(j, d2t), d - 1, d, conf, source, value)
         if temperature > 0:
             tree.q.append(q)
     return tree, spent
 
 
 def chosen_tree(
-    session,
+    session: DraftSession,
     committed: Tensor,
-    view,
+    view: TargetView,
     max_depth: int,
     top_k: int,
     speed: SpeedModel,
@@ -92,50 +82,39 @@ def chosen_tree(
     """EAGLE-2's dynamic tree with values for scores and an early stop per level. Returns every candidate and
     the modeled seconds spent drafting (with the commit): :func:`select_by_value` picks the nodes to verify."""
     acc, verify = speed.acceptance, speed.verify_fn(tree=True)
-    d2t = session.d2t
-    cand = DraftTree()  # every candidate; parents before children
-    in_session: dict[int, int] = {}  # candidate -> its index among the session's expanded nodes
-    q = _probs(session.start_cycle(committed, view), temperature, sample_top_k, top_p)  # [V_draft]
-    spent, dev = speed.start_s(), q.device
-    frontier = _add_children(cand, q, -1, 0, 1.0, top_k, acc, source, d2t)
-    for level in range(1, max_depth):
+    spent = speed.start_s()
+
+    def add_children(cand: DraftTree, logits: Tensor, nodes: list[int], level: int) -> list[int]:
+        """The ``top_k`` most likely children of each node; their value is the parent's times their acceptance."""
+        probs = draft_probs(logits, temperature, sample_top_k, top_p).reshape(len(nodes), -1)  # [n, V_draft]
+        added = []
+        for q, c in zip(probs, nodes):
+            value = cand.values[c] if c >= 0 else 1.0
+            vals, idx = q.topk(min(top_k, q.shape[-1]))  # [k]
+            for p, j in zip(vals.tolist(), idx.tolist()):
+                if p > 0:  # not impossible, nor NaN where the drafter declined (all logits -inf)
+                    v = value * acc.rate(source, level, p)
+                    added.append(cand.add(to_target(j, session.d2t), c, level, p, source, v))
+        return added
+
+    def pick(cand: DraftTree, frontier: list[int], level: int) -> list[int]:
+        """The best frontier nodes by value, as many as pay for the call."""
+        nonlocal spent
         ranked = sorted(frontier, key=lambda c: -cand.values[c])[:top_k]
         rate = acc.continue_rate(source, level)
         m = best_expansion(
             cand.values, spent, [cand.values[c] * rate for c in ranked], speed.expand_s, verify
         )
-        if m == 0:
-            break
-        nodes = ranked[:m]
-        parents = torch.tensor([in_session.get(cand.parents[c], -1) for c in nodes], device=dev)  # [m]
-        tokens = torch.tensor([cand.tokens[c] for c in nodes], device=dev)  # [m]
-        logits = session.expand(tokens, parents)  # [m, V_draft]
-        for c in nodes:
-            in_session[c] = len(in_session)
-        spent += speed.expand_s(m)
-        probs = _probs(logits, temperature, sample_top_k, top_p)  # [m, V_draft]
-        frontier = []
-        for i, c in enumerate(nodes):
-            frontier += _add_children(cand, probs[i], c, level, cand.values[c], top_k, acc, source, d2t)
+        if m:
+            spent += speed.expand_s(m)
+        return ranked[:m]
+
+    cand = grow_tree(session, committed, view, max_depth, add_children, pick)
     return cand, spent
 
 
-def _add_children(
-    tree: DraftTree, q: Tensor, parent: int, depth: int, value: float, k: int, acc, source, d2t
-):
-    """Add the ``k`` most likely tokens of ``q [V_draft]`` below ``parent``; returns their indices."""
-    vals, idx = q.topk(min(k, q.shape[-1]))  # [k]
-    added = []
-    for p, j in zip(vals.tolist(), idx.tolist()):
-        if not p > 0:
-            continue  # impossible, or NaN where the drafter declined (all logits -inf)
-        v = value * acc.rate(source, depth, p)
-        added.append(tree.add(_to_target(j, d2t), parent, depth, p, source, v))
-    return added
-
-
 @torch.inference_mode()
-def lookup_chain(session, committed: Tensor, length: int) -> tuple[list[int], list[float]]:
+def lookup_chain(session: DraftSession, committed: Tensor, length: int) -> tuple[list[int], list[float]]:
     """Prompt lookup's continuation of ``committed [1, P+1]``: up to ``length`` argmax tokens of an n-gram
     session and their confidences; empty where the context has no match."""
     tokens, confs = [], []

@@ -1,16 +1,9 @@
-"""From logits to the distributions that drafting and verification sample from, and the rejection rule.
+"""From logits to the distributions that drafting and verification sample from.
 
 ``logits_to_probs`` applies temperature, then top-k, then top-p (nucleus), the order Hugging Face's
 ``generate`` uses. The same function gives the draft distribution ``q`` (what a draft token was really
-sampled from) and the target distribution ``p`` (what the output must follow).
-
-The rejection rule (Leviathan et al. 2023; Chen et al. 2023) for a draft token ``x ~ q``:
-
-* accept ``x`` with probability ``min(1, p(x) / q(x))``;
-* otherwise emit a token from the residual ``norm(max(0, p - q))``.
-
-The emitted token is then distributed exactly as ``p``, and the acceptance probability is
-``sum_v min(p(v), q(v))``. ``tests/test_sampling.py`` checks both with chi-square tests.
+sampled from) and the target distribution ``p`` (what the output must follow); :mod:`.verify` holds the rule
+that accepts a draft drawn from ``q`` against ``p``.
 """
 
 from __future__ import annotations
@@ -51,7 +44,7 @@ def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int = 0, to
     return logits.softmax(-1)
 
 
-def _uniform(shape, generator: torch.Generator | None, dtype: torch.dtype, device: torch.device) -> Tensor:
+def uniform(shape, generator: torch.Generator | None, dtype: torch.dtype, device: torch.device) -> Tensor:
     """U[0, 1) draws from ``generator``'s own device (the engine seeds a CPU generator), moved to ``device``:
     the same seed gives the same draws on a CPU and on a GPU."""
     where = generator.device if generator is not None else device
@@ -65,41 +58,6 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     probability 0: it takes the first token whose CDF exceeds ``u * total``."""
     flat = probs.reshape(-1, probs.shape[-1]).double()  # [n, V]
     cdf = flat.cumsum(-1)  # [n, V]
-    u = _uniform((flat.shape[0], 1), generator, torch.float64, flat.device)  # [n, 1]
+    u = uniform((flat.shape[0], 1), generator, torch.float64, flat.device)  # [n, 1]
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max(flat.shape[-1] - 1)  # [n, 1]
     return idx.reshape(probs.shape[:-1])
-
-
-def accept_draft_tokens(p: Tensor, q: Tensor, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """The accept test of the rejection rule, row by row: ``[n]`` bool.
-
-    p, q: ``[n, V]`` target and draft probabilities; x: ``[n]`` draft tokens, each sampled from its row of q.
-    Row i is accepted with probability ``min(1, p[i, x_i] / q[i, x_i])``: draw u ~ U[0, 1) and accept iff
-    ``u * q(x) < p(x)`` (never accepts a token the target gives probability 0).
-    """
-    px = p.gather(-1, x[:, None])[:, 0]  # [n]
-    qx = q.gather(-1, x[:, None])[:, 0]  # [n]
-    u = _uniform(px.shape, generator, px.dtype, px.device)  # [n]
-    return u * qx < px
-
-
-def residual_probs(p: Tensor, q: Tensor) -> Tensor:
-    """``norm(max(0, p - q))`` row by row, ``[..., V]``; falls back to ``p`` where ``p == q`` (rejection is then
-    impossible anyway, up to rounding)."""
-    r = (p - q).clamp_min(0)  # [..., V]
-    total = r.sum(-1, keepdim=True)  # [..., 1]
-    return torch.where(total > 0, r / total.clamp_min(torch.finfo(r.dtype).tiny), p)
-
-
-def rejection_sample(
-    p: Tensor, q: Tensor, x: Tensor, generator: torch.Generator | None = None
-) -> tuple[Tensor, Tensor]:
-    """The full rule on independent rows: ``(accepted [n] bool, emitted [n] int64)``.
-
-    ``emitted[i]`` is ``x[i]`` when accepted, else a sample of the residual ``norm(max(0, p_i - q_i))``.
-    Each ``emitted[i]`` is distributed as ``p[i]``. The engine applies the same two steps
-    (:func:`accept_draft_tokens`, then :func:`residual_probs` at the first rejection only).
-    """
-    accepted = accept_draft_tokens(p, q, x, generator)  # [n]
-    resampled = sample(residual_probs(p, q), generator)  # [n]
-    return accepted, torch.where(accepted, x, resampled)

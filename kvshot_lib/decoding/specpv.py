@@ -19,7 +19,8 @@ One cycle (batch size 1):
 4. two *variants* (:data:`VARIANTS`; ``mode`` is kept for ar/chain/tree). ``specpv`` (the paper): partially
    verified tokens are final. ``strict`` (``SpecPVConfig.strict``): at each full pass the
    pending tokens chosen on partial logits are re-checked against the full logits (argmax at
-   temperature 0; at temperature > 0 the rejection rule with the partial distribution as the proposal),
+   temperature 0; at temperature > 0 the rejection rule with the partial distribution as the proposal:
+   :func:`~.verify.first_mismatch`),
    and generation rolls back to the first mismatch and continues from the full model's token; output
    ending on unchecked tokens gets a last check first. So ``strict`` output is plain decoding's, token
    for token at temperature 0, at any budget (``tests/test_specpv.py``).
@@ -41,16 +42,18 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from ..drafters.base import TargetView
+from ..drafters.base import DraftSession, SessionFactory, TargetView
 from ..drafters.tree_mask import ancestor_matrix, tree_attention_mask
+from ..target import Target
 from ..target.capture import capture
 from ..target.forward import forward
-from .cycle import CycleState, DecodeConfig, GenerationResult, Prefill, keep_block_positions
-from .engine import verify_tree
+from .config import DecodeConfig, GenerationResult
+from .cycle import CycleState, Prefill, keep_block_positions
 from .kernels import small_batch_linear
 from .partial_kv import PartialKVCache, PartialKVConfig, compact_attention_mode
-from .sampling import accept_draft_tokens, logits_to_probs, residual_probs, sample
+from .sampling import logits_to_probs
 from .tree import DraftTree
+from .verify import first_mismatch, verify_tree
 
 VARIANTS = ("specpv", "strict")  # SpecPVConfig.strict: False, True
 
@@ -152,8 +155,8 @@ class PendingView:
 
 
 def specpv_generate(
-    target,
-    drafter,
+    target: Target,
+    drafter: SessionFactory | None,
     prompt_ids,
     cfg: DecodeConfig,
     pv: SpecPVConfig,
@@ -176,7 +179,9 @@ def specpv_generate(
 
 
 @torch.inference_mode()
-def _specpv(target, drafter, prompt_ids, cfg, pv, on_partial, on_full, prefill) -> SpecPVResult:
+def _specpv(
+    target: Target, drafter: SessionFactory | None, prompt_ids, cfg, pv, on_partial, on_full, prefill
+) -> SpecPVResult:
     """The loop: draft, then one full or partial pass per cycle; a strict rollback starts the cycle over."""
     state = CycleState(target, prompt_ids, cfg, SpecPVResult)
     result = state.result
@@ -237,7 +242,15 @@ class _Passes:
     is a full one); ``q_partial`` keeps, for strict mode at temperature > 0, the partial distribution each
     pending token ``F+1..P`` was drawn from."""
 
-    def __init__(self, model, pv: SpecPVConfig, state: CycleState, full: DynamicCache, layers, session):
+    def __init__(
+        self,
+        model,
+        pv: SpecPVConfig,
+        state: CycleState,
+        full: DynamicCache,
+        layers,
+        session: DraftSession | None,
+    ):
         self.model, self.pv, self.state, self.full, self.layers = model, pv, state, full, layers
         self.d2t = session.d2t if session is not None else None
         self.F = state.prompt_len
@@ -277,7 +290,7 @@ class _Passes:
         rows = out.logits[0]  # [n_pend + 1 + N, V]
         self.rolled_back = False
         if pv.strict:
-            bad = _first_mismatch(
+            bad = first_mismatch(
                 rows[:n_pend], state.committed[0, F + 1 : P + 1], self.q_partial, state.cfg, state.gen
             )
             if bad is not None:
@@ -346,23 +359,3 @@ class _Passes:
         state.keep_hidden(out.hidden_states, self.layers, keep)
         result.partial_s += time.perf_counter() - t_keep
         return path, bonus
-
-
-def _first_mismatch(rows: Tensor, tokens: Tensor, q_partial: list[Tensor], cfg: DecodeConfig, gen):
-    """Strict mode: ``(k, token)`` for the first pending token ``tokens[k]`` that the full model's logits
-    ``rows[k]`` reject, with the full model's replacement; None when all stand. Greedy: the argmax must
-    match. Sampling: ``tokens[k]`` was drawn from the partial distribution ``q_partial[k]``, so the rejection
-    rule with proposal q and target p = full keeps the output distributed as the full model's."""
-    if rows.shape[0] == 0:
-        return None
-    if cfg.temperature == 0:
-        want = rows.argmax(-1)  # [n]
-        wrong = (want != tokens).nonzero()
-        return None if len(wrong) == 0 else (int(wrong[0]), int(want[wrong[0]]))
-    p = logits_to_probs(rows, cfg.temperature, cfg.top_k, cfg.top_p)  # [n, V]
-    q = torch.stack(q_partial[: rows.shape[0]]).to(p.device)  # [n, V]
-    ok = accept_draft_tokens(p, q, tokens, gen).tolist()
-    if all(ok):
-        return None
-    k = ok.index(False)
-    return k, int(sample(residual_probs(p[k], q[k]), gen))

@@ -10,7 +10,8 @@ deeper level, the ``top_k`` best-scoring candidates of the previous level are ex
 ``expand`` call, each proposes its ``top_k`` children, and all of them become candidates. After
 ``depth`` levels the ``budget`` best candidates form the tree. A child never scores above its parent
 (log-probs are <= 0), and ties go to the shallower node, so the selection always contains every
-selected node's ancestors.
+selected node's ancestors. :func:`grow_tree` is the one builder, level by level: for this fixed shape
+(:func:`draft_dynamic_tree`) and for shapes chosen by expected speed (:func:`~.proposal.chosen_tree`).
 
 A session may return all ``-inf`` logits to decline to draft after a node (the n-gram drafter does
 when it finds no match): that branch simply ends.
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..drafters.base import DraftSession, TargetView
 from .sampling import logits_to_probs, sample
 
 
@@ -35,7 +37,7 @@ class DraftTree:
     root's children. For a chain sampled at temperature > 0, ``q[i]`` is the draft distribution (over the
     draft vocabulary) that token i was sampled from. Shapes chosen by expected speed (:mod:`.proposal`) also
     keep each node's drafting confidence, its source (``drafter`` or ``lookup``) and its value (the estimated
-    probability that it is accepted, :mod:`.shapes`).
+    probability that it is accepted, :mod:`.speed_model`).
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -89,14 +91,24 @@ class DraftTree:
         return out
 
 
-def _to_target(ids: Tensor, d2t: Tensor | None) -> Tensor:
-    return ids if d2t is None else d2t[ids]
+def to_target(j: int, d2t: Tensor | None) -> int:
+    """Draft id ``j`` as a target id."""
+    return j if d2t is None else int(d2t[j])
+
+
+def draft_probs(logits: Tensor, temperature: float, top_k: int, top_p: float, log: bool = False) -> Tensor:
+    """The drafter's distribution (its log if ``log``) that drafts are ranked by: a softmax at temperature 0,
+    else the processed sampling distribution."""
+    if temperature == 0:
+        return (torch.log_softmax if log else torch.softmax)(logits.float(), -1)
+    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    return probs.log() if log else probs
 
 
 def draft_chain(
-    session,
+    session: DraftSession,
     committed: Tensor,
-    view,
+    view: TargetView,
     depth: int,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -109,7 +121,7 @@ def draft_chain(
     if ``stop_after(step, token)`` returns True (the greedy replay stops at the first wrong draft)."""
     tree = DraftTree()
     logits = session.start_cycle(committed, view)  # [V_draft]
-    d2t, dev = session.d2t, logits.device
+    dev = logits.device
     for d in range(depth):
         if d > 0:
             token, parent = torch.tensor([tree.tokens[-1]], device=dev), torch.tensor([d - 2], device=dev)
@@ -122,7 +134,7 @@ def draft_chain(
             q = logits_to_probs(logits, temperature, top_k, top_p)  # [V_draft]
             j = int(sample(q, generator))
             tree.q.append(q)
-        tree.tokens.append(int(_to_target(torch.tensor(j, device=dev), d2t)))
+        tree.tokens.append(to_target(j, session.d2t))
         tree.parents.append(d - 1)
         tree.depths.append(d)
         if stop_after is not None and stop_after(d, tree.tokens[-1]):
@@ -130,16 +142,42 @@ def draft_chain(
     return tree
 
 
-def _log_q(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
-    if temperature == 0:
-        return torch.log_softmax(logits.float(), dim=-1)
-    return logits_to_probs(logits, temperature, top_k, top_p).log()
+def grow_tree(
+    session: DraftSession,
+    committed: Tensor,
+    view: TargetView,
+    depth: int,
+    add_children: Callable[[DraftTree, Tensor, list[int], int], list[int]],
+    pick: Callable[[DraftTree, list[int], int], list[int]],
+) -> DraftTree:
+    """EAGLE-2's dynamic tree, level by level; returns every candidate, parents before children.
+
+    ``add_children(tree, logits, nodes, level)`` adds the children of ``nodes`` (``[-1]``: the root) from their
+    draft ``logits`` (``[V_draft]`` for the root, ``[n, V_draft]`` below) and returns the new nodes; at each
+    deeper level, ``pick(tree, frontier, level)`` chooses the frontier nodes to expand in one ``expand`` call
+    (none: drafting stops). At most ``depth - 1`` expand calls."""
+    tree = DraftTree()
+    in_session: dict[int, int] = {}  # node -> its index among the session's expanded nodes
+    logits = session.start_cycle(committed, view)  # [V_draft]
+    dev = logits.device
+    frontier = add_children(tree, logits, [-1], 0)
+    for level in range(1, depth):
+        nodes = pick(tree, frontier, level) if frontier else []
+        if not nodes:
+            break
+        parents = torch.tensor([in_session.get(tree.parents[c], -1) for c in nodes], device=dev)  # [n]
+        tokens = torch.tensor([tree.tokens[c] for c in nodes], device=dev)  # [n]
+        logits = session.expand(tokens, parents)  # [n, V_draft]
+        for c in nodes:
+            in_session[c] = len(in_session)
+        frontier = add_children(tree, logits, nodes, level)
+    return tree
 
 
 def draft_dynamic_tree(
-    session,
+    session: DraftSession,
     committed: Tensor,
-    view,
+    view: TargetView,
     depth: int,
     top_k: int,
     budget: int,
@@ -148,58 +186,33 @@ def draft_dynamic_tree(
     top_p: float = 1.0,
 ) -> DraftTree:
     """EAGLE-2's dynamic tree: ``depth`` levels, ``top_k`` children per expanded node and ``top_k``
-    expanded nodes per level, then the ``budget`` best candidates. Scores are draft log-probs (after
-    temperature / top-k / top-p when ``temperature > 0``). ``depth - 1`` expand calls."""
-    d2t = session.d2t
-    logq = _log_q(session.start_cycle(committed, view), temperature, sample_top_k, top_p)  # [V_draft]
-    dev = logq.device
-    # Candidates: parallel lists. cand_session[c] is c's index among expanded session nodes, or -1.
-    tok: list[int] = []
-    par: list[int] = []
-    dep: list[int] = []
-    scores: list[float] = []
-    vals, idx = logq.topk(min(top_k, logq.shape[-1]))  # [K]
-    keep = torch.isfinite(vals)
-    vals, idx = vals[keep], idx[keep]
-    tok += _to_target(idx, d2t).tolist()
-    par += [-1] * len(vals)
-    dep += [0] * len(vals)
-    scores += vals.tolist()
-    frontier = list(range(len(vals)))  # candidate ids of the level just added
-    frontier_scores = vals  # [F]
-    n_expanded = 0
-    cand_session: dict[int, int] = {}
-    for level in range(1, depth):
-        if not frontier:
-            break
-        # Expand the best top_k of the previous level (already at most top_k at level 0).
-        best = frontier_scores.topk(min(top_k, len(frontier))).indices.tolist()
-        nodes = [frontier[b] for b in best]
-        parents = torch.tensor([cand_session.get(par[c], -1) for c in nodes], device=dev)  # [n]
-        logits = session.expand(torch.tensor([tok[c] for c in nodes], device=dev), parents)  # [n, V_draft]
-        for i, c in enumerate(nodes):
-            cand_session[c] = n_expanded + i
-        n_expanded += len(nodes)
-        child_logq = _log_q(logits, temperature, sample_top_k, top_p)  # [n, V_draft]
-        vals, idx = child_logq.topk(min(top_k, child_logq.shape[-1]), dim=-1)  # [n, K]
-        cum = torch.tensor([scores[c] for c in nodes], device=vals.device)[:, None] + vals  # [n, K]
-        keep = torch.isfinite(cum)
-        rows = torch.arange(len(nodes), device=cum.device)[:, None].expand_as(cum)[keep]  # [m]
-        cum, idx = cum[keep], idx[keep]  # [m]
-        start = len(tok)
-        tok += _to_target(idx, d2t).tolist()
-        par += [nodes[r] for r in rows.tolist()]
-        dep += [level] * len(cum)
-        scores += cum.tolist()
-        frontier = list(range(start, len(tok)))
-        frontier_scores = cum
+    expanded nodes per level, then the ``budget`` best candidates. Scores (a candidate's ``values``) are draft
+    log-probs (after temperature / top-k / top-p when ``temperature > 0``). ``depth - 1`` expand calls."""
+    scores: Tensor | None = None  # [F] the scores of the level just added
+
+    def add_children(cand: DraftTree, logits: Tensor, nodes: list[int], level: int) -> list[int]:
+        nonlocal scores
+        logq = draft_probs(logits, temperature, sample_top_k, top_p, log=True)  # [n, V_draft] or [V_draft]
+        vals, idx = logq.topk(min(top_k, logq.shape[-1]), dim=-1)
+        vals, idx = vals.reshape(len(nodes), -1), idx.reshape(len(nodes), -1)  # [n, K]
+        if level > 0:
+            vals = torch.tensor([cand.values[c] for c in nodes], device=vals.device)[:, None] + vals  # [n, K]
+        keep = torch.isfinite(vals)
+        rows = torch.arange(len(nodes), device=vals.device)[:, None].expand_as(vals)[keep]  # [m]
+        scores, idx = vals[keep], idx[keep]  # [m]
+        new = zip(rows.tolist(), idx.tolist(), scores.tolist())
+        return [cand.add(to_target(j, session.d2t), nodes[r], level, s, "drafter", s) for r, j, s in new]
+
+    def pick(cand: DraftTree, frontier: list[int], level: int) -> list[int]:
+        return [frontier[b] for b in scores.topk(min(top_k, len(frontier))).indices.tolist()]
+
+    cand = grow_tree(session, committed, view, depth, add_children, pick)
     # Rerank: the budget best candidates, ties to the shallower node, parents before children.
-    order = sorted(range(len(tok)), key=lambda c: (-scores[c], dep[c]))[:budget]
-    order.sort(key=lambda c: (dep[c], -scores[c]))
+    order = sorted(range(len(cand)), key=lambda c: (-cand.values[c], cand.depths[c]))[:budget]
+    order.sort(key=lambda c: (cand.depths[c], -cand.values[c]))
     new_index = {c: i for i, c in enumerate(order)}
-    tree = DraftTree()
-    for c in order:
-        tree.tokens.append(tok[c])
-        tree.parents.append(-1 if par[c] < 0 else new_index[par[c]])
-        tree.depths.append(dep[c])
-    return tree
+    return DraftTree(
+        [cand.tokens[c] for c in order],
+        [-1 if cand.parents[c] < 0 else new_index[cand.parents[c]] for c in order],
+        [cand.depths[c] for c in order],
+    )

@@ -1,13 +1,14 @@
-"""The diagnostics stage: why KV-reading drafters do (not) work, measured on the real target.
+"""The diagnostics stage: why KV-reading drafters do (not) work, measured on the real target. Where each is:
 
-* query-estimation error (notebook 04): the drafter's attention queries against the target's real post-RoPE
-  queries at the same (layer, head, position) on MT-bench text the target wrote (:mod:`.query_error`,
-  :mod:`.attention_metrics`, :mod:`.query_tables`), and the causal check that moves them towards the truth
-  (:mod:`.causal_check`);
-* hidden-vs-KV information probes (notebook 01): equal-size probes reading the hidden state or the KV cache
-  at ``t`` out through the frozen LM head, for the target's token at ``t+1+k`` (:mod:`.probe_data`,
-  :mod:`.info_probes`, :mod:`.probe_training`, :mod:`.probe_stats`);
-* interactive explorers (ipywidgets) for attention and acceptance (:mod:`.explorers`).
+* query-estimation error (notebook 04), the drafter's attention queries against the target's real post-RoPE
+  queries at the same (layer, head, position) on MT-bench text the target wrote: ``drafter_hooks`` (which
+  target head a drafter head stands for; hooks that record or replace its queries), ``query_error`` (one
+  sequence, scored by :class:`~.query_error.Scorer`), ``attention_metrics``, ``query_tables`` (the saved
+  tables, the verdict against the stale query) and ``causal_check`` (α_k with queries moved to the truth);
+* hidden-vs-KV information probes (notebook 01), equal-size probes reading the hidden state or the KV cache
+  at ``t`` out through the frozen LM head, for the target's token at ``t+1+k``: ``probe_data`` (what the
+  target holds), ``info_probes`` (the kinds, matched in size), ``probe_training`` and ``probe_stats``;
+* ``explorers``: interactive explorers (ipywidgets) for attention and acceptance.
 
 It reads drafters, the target and the evaluation harness (its bootstrap included: ``mean_ci`` and ``ratio_ci``
 are :mod:`kvshot_lib.evaluation.bootstrap`'s), and hands result tables to the plots.

@@ -114,18 +114,23 @@ def _selectivity(results: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def ce_difference(docs: dict[str, pd.DataFrame], a: str, b: str, n_boot: int, seed: int):
+    """``CE(a) - CE(b)`` per step, paired over documents: the steps and ``ratio_ci``'s ``est, lo, hi, draws``."""
+    ce_a = docs["ce_bits"][a] / docs["n"][a].clip(lower=1)
+    ce_b = docs["ce_bits"][b] / docs["n"][b].clip(lower=1)
+    w = docs["n"][a].to_numpy()
+    return list(ce_a.columns), *ratio_ci((ce_a - ce_b).to_numpy() * w, w, n_boot, seed)
+
+
 def pairwise_tests(table: pd.DataFrame, n_boot: int = N_BOOT, seed: int = 0) -> pd.DataFrame:
     """``CE(a) - CE(b)`` (bits) for every pair of kinds at every step, paired over test documents."""
     docs = per_doc(table, "real")
     kinds = list(dict.fromkeys(docs["n"].columns.get_level_values(0)))
     rows = []
     for a, b in itertools.combinations(kinds, 2):
-        ce_a = docs["ce_bits"][a] / docs["n"][a].clip(lower=1)
-        ce_b = docs["ce_bits"][b] / docs["n"][b].clip(lower=1)
-        w = docs["n"][a].to_numpy()
-        est, lo, hi, draws = ratio_ci(((ce_a - ce_b).to_numpy() * w), w, n_boot, seed)
+        steps, est, lo, hi, draws = ce_difference(docs, a, b, n_boot, seed)
         p = two_sided_p(draws)
-        for c, step in enumerate(ce_a.columns):
+        for c, step in enumerate(steps):
             rows.append(
                 dict(
                     kind_a=a,
@@ -135,7 +140,7 @@ def pairwise_tests(table: pd.DataFrame, n_boot: int = N_BOOT, seed: int = 0) -> 
                     ci_lo=float(lo[c]),
                     ci_hi=float(hi[c]),
                     p_value=float(p[c]),
-                    n_docs=len(w),
+                    n_docs=len(docs["n"]),
                 )
             )
     return pd.DataFrame(rows)
@@ -148,13 +153,10 @@ def information_gap(table: pd.DataFrame, n_boot: int = N_BOOT, seed: int = 0) ->
     kinds = set(docs["n"].columns.get_level_values(0))
     rows = []
     for kv in [k for k in KV_READERS if k in kinds and "h" in kinds]:
-        ce_h = docs["ce_bits"]["h"] / docs["n"]["h"].clip(lower=1)
-        ce_kv = docs["ce_bits"][kv] / docs["n"][kv].clip(lower=1)
-        w = docs["n"]["h"].to_numpy()
-        est, lo, hi, draws = ratio_ci((ce_h - ce_kv).to_numpy() * w, w, n_boot, seed)
+        columns, est, lo, hi, draws = ce_difference(docs, "h", kv, n_boot, seed)
         p = two_sided_p(draws)
-        steps = np.asarray(ce_h.columns, dtype=float)
-        for c, step in enumerate(ce_h.columns):
+        steps = np.asarray(columns, dtype=float)
+        for c, step in enumerate(columns):
             rows.append(
                 dict(
                     kv_probe=kv,
@@ -169,8 +171,8 @@ def information_gap(table: pd.DataFrame, n_boot: int = N_BOOT, seed: int = 0) ->
         s_draws = slope(draws, steps)
         s_lo, s_hi = np.nanquantile(s_draws, [0.025, 0.975])
         grows = "grows with k" if s_lo > 0 else ("shrinks with k" if s_hi < 0 else "does not grow with k")
-        ahead = [int(k) for k, a in zip(ce_h.columns, lo) if a > 0]  # the KV probe significantly better
-        behind = [int(k) for k, b in zip(ce_h.columns, hi) if b < 0]
+        ahead = [int(k) for k, a in zip(columns, lo) if a > 0]  # the KV probe significantly better
+        behind = [int(k) for k, b in zip(columns, hi) if b < 0]
         grows += f"; KV ahead at k = {ahead or 'none'}, hidden state ahead at k = {behind or 'none'}"
         rows.append(
             dict(

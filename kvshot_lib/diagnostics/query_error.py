@@ -18,6 +18,7 @@ For one sequence (:func:`measure_sequence`):
    :mod:`.attention_metrics`: the ``drafter``'s, the ``stale`` query (the target's own query at ``t``), the
    ``uniform`` distribution, and the ``oracle`` q* itself (zero error over the cache; its ``out_err_full``
    is what the unavailable positions alone cost). Group rows compare the GQA group's mean attention.
+   :class:`Scorer` does it per drafter layer and step, then per injected head (one GQA group).
 
 Each step is also marked accepted or not: the drafter's step-``k`` argmax equals the target's greedy token,
 i.e. the event whose rate is α_k. :class:`QueryErrorTables` aggregates sequences into the saved tables.
@@ -28,12 +29,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from ..drafters.unroll import TrainBatch
+from ..drafters import DrafterConfig, TrainBatch
+from ..drafters.trainable import TrainableDrafter
+from ..target import Target
 from ..target.forward import sequence_features
 from . import attention_metrics as am
 from .drafter_hooks import (
+    HeadPair,
     TargetAttentionRecorder,
     check_kv_reader,
     drafter_queries,
@@ -59,15 +63,10 @@ class TargetPass:
 
 
 @torch.no_grad()
-def target_pass(target, ids: Tensor, kv_layers, hidden_layers=()) -> TargetPass:
+def target_pass(target: Target, ids: Tensor, kv_layers, hidden_layers=()) -> TargetPass:
     f = sequence_features(target.model, ids[None], hidden_layers, kv_layers, query_layers=kv_layers)
-    return TargetPass(
-        ids.cpu(),
-        {lay: f.queries[lay][0].float().cpu() for lay in kv_layers},
-        {lay: f.keys[lay][0].float().cpu() for lay in kv_layers},
-        {lay: f.values[lay][0].float().cpu() for lay in kv_layers},
-        {lay: f.hidden[lay][0].float().cpu() for lay in hidden_layers},
-    )
+    one = lambda by_layer: {lay: x[0].float().cpu() for lay, x in by_layer.items()}  # noqa: E731
+    return TargetPass(ids.cpu(), one(f.queries), one(f.keys), one(f.values), one(f.hidden))
 
 
 def sequence_batch(tp: TargetPass, cfg) -> TrainBatch:
@@ -94,9 +93,7 @@ class SequenceErrors:
     accepted: Tensor  # [K, A] bool
     head: dict[str, dict[str, Tensor]]
     group: dict[str, dict[str, Tensor]]
-    pairs: list[
-        tuple[int, int, int, int]
-    ]  # per head pair: (drafter layer, target layer, target head, kv head)
+    pairs: list[tuple[int, ...]]  # per head pair: (drafter layer, target layer, head, kv head, drafter head)
     groups: list[tuple[int, int, int]]  # per group pair: (drafter layer, target layer, kv head)
     maps: dict | None = None  # keep_maps: {"target": {layer: [H, K, A, T]}, "drafter": {dl: [h, K, A, T]}}
 
@@ -112,8 +109,8 @@ def pick_anchors(T: int, answer_start: int, max_anchors: int | None) -> Tensor:
 
 @torch.no_grad()
 def measure_sequence(
-    target,
-    drafter,
+    target: Target,
+    drafter: TrainableDrafter,
     ids: Tensor,
     answer_start: int,
     n_steps: int,
@@ -132,161 +129,158 @@ def measure_sequence(
     tp = target_pass(target, ids, cfg.kv_layers, cfg.hidden_layers)
     T = ids.shape[0]
     anchors = pick_anchors(T, answer_start, max_anchors)
-    A, K = anchors.numel(), n_steps
+    K, A, L, nI, kvh = n_steps, anchors.numel(), cfg.n_layers, cfg.n_injected_heads, cfg.target_n_kv_heads
     valid = (anchors[None] + 2 + torch.arange(K)[:, None]) <= T - 1  # [K, A]
     recorder = TargetAttentionRecorder(rows=anchors)
-    batch = sequence_batch(tp, cfg)
     dev = drafter.head.device
     with drafter_queries(drafter) as records:
-        un = drafter.forward(batch.to(dev), n_steps, recorder=recorder)
+        un = drafter.forward(sequence_batch(tp, cfg).to(dev), n_steps, recorder=recorder)
     accepted = torch.zeros(K, A, dtype=torch.bool)
     for k, out in enumerate(un.outs):
         pred = drafter.d2t[drafter.logits(out[0, anchors.to(dev)]).argmax(-1)].cpu()  # [A]
-        label = ids[(anchors + 2 + k).clamp(max=T - 1)]
-        accepted[k] = (pred == label) & valid[k]
+        accepted[k] = (pred == ids[(anchors + 2 + k).clamp(max=T - 1)]) & valid[k]
     n_target_heads = tp.queries[cfg.kv_layers[0]].shape[0]
     pairs = head_map(cfg, n_target_heads)
-    L = cfg.n_layers
-    G = cfg.query_group
-    g = n_target_heads // cfg.target_n_kv_heads
-    head = {
-        v: {m: torch.full((4, L * len(pairs), K, A), float("nan")) for m in (*am.METRICS, *EXTRA)}
-        for v in VARIANTS
-    }
-    group = {
-        v: {m: torch.full((4, L * cfg.n_injected_heads, K, A), float("nan")) for m in (*am.METRICS, *EXTRA)}
-        for v in VARIANTS
-    }
-    cols = torch.arange(T)
-    D, nI = cfg.target_head_dim, cfg.n_injected_heads
     maps = None
     if keep_maps:
         maps = {
             "target": {lay: torch.zeros(n_target_heads, K, A, T) for lay in cfg.kv_layers},
-            "drafter": {dl: torch.zeros(nI * G, K, A, T) for dl in range(L)},
+            "drafter": {dl: torch.zeros(nI * cfg.query_group, K, A, T) for dl in range(L)},
         }
-    for dl in range(L):
-        layer = drafter.layers[dl]
-        k_inj = un.injected[dl][0][0].float().cpu()  # [nI, T, D] the keys as this layer reads them
-        recency = getattr(layer, "recency", None)
-        for k in range(K):
-            ok = valid[k]
-            t, p = anchors[ok], anchors[ok] + 1 + k  # [a]
-            if t.numel() == 0:
-                continue
-            q_d = records[k * L + dl].q[0][:, t].float().cpu()  # [h, a, D]
-            share = recorder.probs[(dl, k)][0][..., ok, :].float().cpu()  # [nI, G, a, N]
-            reused = cols[None] <= t[:, None]  # [a, T]
-            upto_p = cols[None] <= p[:, None]
-            bias = recency((p[:, None] - cols[None]).to(dev)).float().cpu() if recency is not None else None
-            for i in range(nI):
-                lay, j = cfg.kv_layers[i // cfg.target_n_kv_heads], i % cfg.target_n_kv_heads
-                Kt, Vt = tp.keys[lay][j], tp.values[lay][j]  # [T, D]
-                heads = list(range(j * g, (j + 1) * g))
-                q_star = tp.queries[lay][heads][:, p]  # [g, a, D]
-                q_stale = tp.queries[lay][heads][:, t]
-                s_star = q_star @ Kt.T * D**-0.5  # [g, a, T]
-                logp_full = am.masked_log_softmax(s_star, upto_p)
-                logp_star = am.masked_log_softmax(s_star, reused)
-                logp_stale = am.masked_log_softmax(q_stale @ Kt.T * D**-0.5, reused)
-                logp_unif = am.uniform_log_probs(reused).expand(g, -1, -1)
-                qd = q_d[i * G : (i + 1) * G]  # [G, a, D] the drafter's queries reading injected head i
-                s_hat = qd @ k_inj[i].T * D**-0.5  # [G, a, T] the drafter's own scores on the target's keys
-                if bias is not None:
-                    s_hat = s_hat + bias[i * G : (i + 1) * G]
-                logp_hat = am.masked_log_softmax(s_hat, reused)
-                if maps is not None:
-                    maps["target"][lay][j * g : (j + 1) * g, k, ok] = logp_full.exp()  # [g, a, T]
-                    maps["drafter"][dl][i * G : (i + 1) * G, k, ok] = logp_hat.exp()  # [G, a, T]
-                own = 1 - share[i].sum(-1)  # [G, a] the drafter's attention on its own K/V (one softmax)
-                if getattr(cfg, "kv_softmax", "shared") == "separate":
-                    own = torch.full_like(own, float("nan"))  # two softmaxes: no share to report
-                mine = [(dl * len(pairs) + pi, pr) for pi, pr in enumerate(pairs) if pr.injected == i]
-                scores = GroupScores(i, j * g, t, reused, Vt, logp_hat, logp_star, logp_full, logp_stale, logp_unif,
-                                     qd, q_star, q_stale, own)  # fmt: skip
-                if mine:
-                    _score_pairs(head, mine, layer, nI, k, ok, scores)
-                mean = lambda lp: torch.log(lp.exp().mean(0))  # noqa: E731  [g, a, T] -> [a, T]
-                stacked = torch.cat(
-                    [mean(x) for x in (logp_hat, logp_stale, logp_unif, logp_star)]
-                )  # [4a, T]
-                n4 = len(ESTIMATORS)
-                mets = am.all_metrics(
-                    stacked,
-                    mean(logp_star).repeat(n4, 1),
-                    reused.repeat(n4, 1),
-                    Vt,
-                    mean(logp_full).repeat(n4, 1),
-                    t.repeat(n4),
-                )
-                _scatter(group, mets, [dl * nI + i], k, ok, own.mean(0)[None])
-    return SequenceErrors(
-        seq_id,
-        anchors,
-        valid,
-        accepted,
-        head,
-        group,
-        [(dl, pr.layer, pr.target_head, pr.kv_head, pr.drafter_head) for dl in range(L) for pr in pairs],
-        [
-            (dl, cfg.kv_layers[i // cfg.target_n_kv_heads], i % cfg.target_n_kv_heads)
-            for dl in range(L)
-            for i in range(nI)
+    se = SequenceErrors(
+        seq_id=seq_id,
+        anchors=anchors,
+        valid=valid,
+        accepted=accepted,
+        head=unscored(L * len(pairs), K, A),
+        group=unscored(L * nI, K, A),
+        pairs=[
+            (dl, pr.layer, pr.target_head, pr.kv_head, pr.drafter_head) for dl in range(L) for pr in pairs
         ],
-        maps,
+        groups=[(dl, cfg.kv_layers[i // kvh], i % kvh) for dl in range(L) for i in range(nI)],
+        maps=maps,
     )
+    scorer = Scorer(se, tp, cfg, pairs)
+    for dl, layer in enumerate(drafter.layers):
+        k_inj = un.injected[dl][0][0].float().cpu()  # [nI, T, D] the keys as this layer reads them
+        for k in range(K):
+            if valid[k].any():
+                scorer.step(layer, dl, k, records[k * L + dl].q[0], recorder.probs[(dl, k)][0], k_inj)
+    return se
+
+
+def unscored(n_cols: int, K: int, A: int) -> dict[str, dict[str, Tensor]]:
+    """``[variant][metric]``: ``[E, n_cols, K, A]`` of NaN, for the :class:`Scorer` to fill."""
+    shape = (len(ESTIMATORS), n_cols, K, A)
+    return {v: {m: torch.full(shape, float("nan")) for m in (*am.METRICS, *EXTRA)} for v in VARIANTS}
 
 
 @dataclass
-class GroupScores:
-    """What the four estimates give for one injected head ``i`` (one GQA group of ``g`` target heads from ``h0``,
-    read by ``G`` drafter heads) at one draft step, over the ``a`` anchors valid there."""
+class Step:
+    """Drafter layer ``dl`` at draft step ``k``, over the ``a`` anchors valid there."""
 
-    i: int  # the injected head
-    h0: int  # the group's first target head
-    t: Tensor  # [a] anchor positions
-    reused: Tensor  # [a, T] the cache positions a drafter at t can read
-    Vt: Tensor  # [T, D] the group's values
-    logp_hat: Tensor  # [G, a, T] the drafter's attention (log-probs) over the reused cache
-    logp_star: Tensor  # [g, a, T] the target's real query, over the same positions
-    logp_full: Tensor  # [g, a, T] ... over 0..p (all it sees)
-    logp_stale: Tensor  # [g, a, T] the stale query (the target's at t)
-    logp_unif: Tensor  # [g, a, T] uniform attention
-    qd: Tensor  # [G, a, D] the drafter's queries
-    q_star: Tensor  # [g, a, D] the target's real queries
-    q_stale: Tensor  # [g, a, D]
-    own: Tensor  # [G, a] the drafter's attention share on its own K/V
+    dl: int
+    k: int
+    ok: Tensor  # [A] bool: the anchors whose step k has a label
+    t: Tensor  # [a] their positions
+    p: Tensor  # [a] the drafted positions t+1+k
+    reused: Tensor  # [a, T] the cache positions a drafter at t can read: 0..t
+    upto_p: Tensor  # [a, T] the positions the target's query at p sees: 0..p
 
 
-def _score_pairs(head, mine, layer, nI: int, k: int, ok: Tensor, s: GroupScores) -> None:
-    """Metrics of the four estimates for the head pairs ``mine`` that read injected head ``s.i``, in one batch."""
-    i, h0, t, qd, q_star = s.i, s.h0, s.t, s.qd, s.q_star
-    lps, qhs, stars, fulls, qstars = [], [], [], [], []
-    a = t.numel()
-    nan = torch.full((a, nI * q_star.shape[-1]), float("nan"))
-    for _, pr in mine:
-        r, a_d = pr.target_head - h0, pr.drafter_head - i * qd.shape[0]  # within the group / the drafter's G
-        q_hat = query_in_key_space(layer, qd[a_d], i, nI)
-        q_s = target_query_in_key_space(q_star[r], i, nI)
-        lps += [s.logp_hat[a_d], s.logp_stale[r], s.logp_unif[r], s.logp_star[r]]
-        qhs += [nan if q_hat is None else q_hat, target_query_in_key_space(s.q_stale[r], i, nI), nan, q_s]
-        stars.append(s.logp_star[r])
-        fulls.append(s.logp_full[r])
-        qstars.append(q_s)
-    n4 = len(ESTIMATORS)
-    rep = lambda xs: torch.cat([x.repeat(n4, 1) for x in xs])  # noqa: E731  per pair, once per estimator
-    mets = am.all_metrics(
-        torch.cat(lps),
-        rep(stars),
-        s.reused.repeat(n4 * len(mine), 1),
-        s.Vt,
-        rep(fulls),
-        t.repeat(n4 * len(mine)),
-        torch.cat(qhs),
-        rep(qstars),
-    )
-    owns = torch.stack([s.own[pr.drafter_head - i * qd.shape[0]] for _, pr in mine])  # [n_pairs, a]
-    _scatter(head, mets, [c for c, _ in mine], k, ok, owns)
+@dataclass
+class Scorer:
+    """Fills a :class:`SequenceErrors` one drafter layer and draft step at a time (:meth:`step`), one injected
+    head there at a time (:meth:`head`: the four estimates of the target's attention), each head pair and GQA
+    group in one batch of rows (:meth:`columns`)."""
+
+    se: SequenceErrors
+    tp: TargetPass
+    cfg: DrafterConfig
+    pairs: list[HeadPair]  # head_map's
+
+    def step(self, layer: nn.Module, dl: int, k: int, q: Tensor, share: Tensor, k_inj: Tensor) -> None:
+        """Every injected head of ``layer`` at step ``k``, from its target-reading queries ``q [h, N, D]``,
+        its attention on the target's keys ``share [nI, G, A, N]`` and those keys as it reads them
+        ``k_inj [nI, T, D]``."""
+        cfg, anchors, ok = self.cfg, self.se.anchors, self.se.valid[k]
+        G, D = cfg.query_group, cfg.target_head_dim
+        t, p = anchors[ok], anchors[ok] + 1 + k  # [a]
+        cols = torch.arange(self.tp.ids.numel())
+        st = Step(dl, k, ok, t, p, reused=cols[None] <= t[:, None], upto_p=cols[None] <= p[:, None])
+        q_d = q[:, t].float().cpu()  # [h, a, D]
+        share = share[..., ok, :].float().cpu()  # [nI, G, a, N]
+        recency = getattr(layer, "recency", None)
+        bias = recency((p[:, None] - cols[None]).to(q.device)).float().cpu() if recency is not None else None
+        for i in range(cfg.n_injected_heads):
+            qd = q_d[i * G : (i + 1) * G]  # [G, a, D] the drafter's queries reading injected head i
+            s_hat = qd @ k_inj[i].T * D**-0.5  # [G, a, T] the drafter's own scores on the target's keys
+            if bias is not None:
+                s_hat = s_hat + bias[i * G : (i + 1) * G]
+            own = 1 - share[i].sum(-1)  # [G, a] the drafter's attention on its own K/V (one softmax)
+            if cfg.kv_softmax == "separate":
+                own = torch.full_like(own, float("nan"))  # two softmaxes: no share to report
+            self.head(layer, st, i, qd, s_hat, own)
+
+    def head(self, layer: nn.Module, st: Step, i: int, qd: Tensor, s_hat: Tensor, own: Tensor) -> None:
+        """Injected head ``i``: one GQA group of ``g`` target heads, read by the ``G`` drafter queries
+        ``qd [G, a, D]`` with scores ``s_hat [G, a, T]``; ``own [G, a]``: their attention on their own K/V."""
+        cfg, tp, maps = self.cfg, self.tp, self.se.maps
+        kvh, D, nI, G = cfg.target_n_kv_heads, cfg.target_head_dim, cfg.n_injected_heads, cfg.query_group
+        lay, j = cfg.kv_layers[i // kvh], i % kvh
+        g = tp.queries[lay].shape[0] // kvh
+        Kt, Vt = tp.keys[lay][j], tp.values[lay][j]  # [T, D]
+        heads = list(range(j * g, (j + 1) * g))
+        q_star = tp.queries[lay][heads][:, st.p]  # [g, a, D] the target's real queries
+        q_stale = tp.queries[lay][heads][:, st.t]  # its queries at t
+        s_star = q_star @ Kt.T * D**-0.5  # [g, a, T]
+        logp_full = am.masked_log_softmax(s_star, st.upto_p)  # [g, a, T] all the target sees at p: 0..p
+        # estimator -> [n, a, T] over the reused cache: the drafter's per drafter head, the others per target head
+        logp = {
+            "drafter": am.masked_log_softmax(s_hat, st.reused),
+            "stale": am.masked_log_softmax(q_stale @ Kt.T * D**-0.5, st.reused),
+            "uniform": am.uniform_log_probs(st.reused).expand(g, -1, -1),
+            "oracle": am.masked_log_softmax(s_star, st.reused),
+        }
+        if maps is not None:
+            maps["target"][lay][j * g : (j + 1) * g, st.k, st.ok] = logp_full.exp()  # [g, a, T]
+            maps["drafter"][st.dl][i * G : (i + 1) * G, st.k, st.ok] = logp["drafter"].exp()  # [G, a, T]
+        mine = [(st.dl * len(self.pairs) + c, pr) for c, pr in enumerate(self.pairs) if pr.injected == i]
+        if mine:
+            nan = torch.full((st.t.numel(), nI * D), float("nan"))
+            rows = []
+            for _, pr in mine:
+                r, a_d = pr.target_head - j * g, pr.drafter_head - i * G  # within the group / the drafter's G
+                q_hat = query_in_key_space(layer, qd[a_d], i, nI)
+                q_s = target_query_in_key_space(q_star[r], i, nI)
+                lps = [logp[e][a_d if e == "drafter" else r] for e in ESTIMATORS]
+                qs = [nan if q_hat is None else q_hat, target_query_in_key_space(q_stale[r], i, nI), nan, q_s]
+                rows.append((lps, logp["oracle"][r], logp_full[r], qs, q_s))
+            owns = torch.stack([own[pr.drafter_head - i * G] for _, pr in mine])  # [n_pairs, a]
+            self.columns(self.se.head, [c for c, _ in mine], st, Vt, rows, owns)
+        mean = lambda lp: torch.log(lp.exp().mean(0))  # noqa: E731  [n, a, T] -> [a, T]
+        group = ([mean(logp[e]) for e in ESTIMATORS], mean(logp["oracle"]), mean(logp_full), None, None)
+        self.columns(self.se.group, [st.dl * nI + i], st, Vt, [group], own.mean(0)[None])
+
+    @staticmethod
+    def columns(out, cols: list[int], st: Step, Vt: Tensor, rows: list[tuple], own: Tensor) -> None:
+        """Every metric of ``rows`` in one batch, put into ``out[variant][metric][:, cols, st.k, st.ok]``. Per
+        column: the estimators' log-probs, the target's over the reused cache and over ``0..p`` (each ``[a, T]``),
+        the estimators' and the target's queries in the key space (or None); ``own [len(cols), a]``."""
+        n4, n = len(ESTIMATORS), len(rows)
+        rep = lambda xs: torch.cat([x.repeat(n4, 1) for x in xs])  # noqa: E731  per column, once per estimator
+        lps, stars, fulls, qs, q_stars = zip(*rows)
+        mets = am.all_metrics(
+            torch.cat([lp for col in lps for lp in col]),
+            rep(stars),
+            st.reused.repeat(n4 * n, 1),
+            Vt,
+            rep(fulls),
+            st.t.repeat(n4 * n),
+            None if qs[0] is None else torch.cat([q for col in qs for q in col]),
+            None if q_stars[0] is None else rep(q_stars),
+        )
+        _scatter(out, mets, cols, st.k, st.ok, own)
 
 
 def _scatter(out, mets, cols: list[int], k: int, ok: Tensor, own: Tensor) -> None:

@@ -131,14 +131,8 @@ class QueryErrorTables:
                         **self.labels, estimator=est, level=level, variant=variant, **_ident(level, ident)
                     )
                     row.update(step=k, n=n)
-                    row.update(
-                        {
-                            m: float(sums[m][c, k]) / max(int(counts[m][c, k]), 1)
-                            if counts[m][c, k]
-                            else np.nan
-                            for m in METRIC_COLUMNS
-                        }
-                    )
+                    for m in METRIC_COLUMNS:
+                        row[m] = float(sums[m][c, k]) / int(counts[m][c, k]) if counts[m][c, k] else np.nan
                     rows.append(row)
         table = pd.DataFrame(rows)
         return mark_matched(table) if len(table) else table

@@ -1,13 +1,18 @@
-"""The drafters stage: the decode-time contract (``base``), the trainable paradigms, and the baselines.
+"""The drafters stage: the decode-time contract, the trainable paradigms, the baselines. Where each lives:
 
-Trainable: hidden-only (EAGLE-3), KV-only, hybrid, and the block drafter (``block.py``, DFlash-style parallel
-drafting of a whole block in one forward, with its session in ``block_session.py``).
-
-* :func:`load_drafter` (checkpoint folder, target) -> a drafter that is also a ``SessionFactory``;
-* :func:`build_drafter` / :func:`drafter_config_for` make a fresh one; :func:`save_drafter` writes one;
-* :mod:`.baselines`: drafters that need no training (n-gram prompt lookup, the target itself, early exit,
-  random), and :func:`resolve_drafter` / :func:`drafters_for_run` that turn names and folders into drafters;
-  :func:`drafter_for_target` binds one to another copy of its target (bf16 decoding).
+* ``base``: the contract the engine drafts through (:class:`SessionFactory`, :class:`DraftSession`,
+  :class:`TargetView`); ``tree_mask``: who sees whom in a draft tree; ``vocab``: the reduced draft vocabulary;
+* ``config``: :class:`DrafterConfig` of every paradigm, :func:`drafter_config_for` a target;
+* ``trainable``: ``TrainableDrafter``, the base of the trainable paradigms (frozen target embedding and LM
+  head, RoPE, the target's KV as each layer reads it); ``attention``: their building blocks;
+* ``unroll``: training's TTT unroll (:class:`TrainBatch`, :class:`UnrollContext`, ``unroll``: their forward);
+* the paradigms: ``hidden`` (EAGLE-3, 3.1), ``kv``, ``hybrid``, ``cross``, ``no_target`` (the control),
+  ``block`` (DFlash-style: a block per forward); ``target_init``: a KV drafter's attention from the target's;
+* decode-time sessions: ``session`` (all but the block drafter), ``block_session``, ``kv_buffer`` (their K/V);
+* ``checkpoint``: :func:`build_drafter`, :func:`save_drafter`, :func:`load_drafter`, :func:`rebind_drafter`;
+  ``eagle3_format``: the EAGLE-3 layout serving engines load, out and in (``cli``: ``kvshot export``);
+* ``baselines``: drafters that need no training (n-gram prompt lookup, the target itself, early exit, random),
+  :func:`resolve_drafter` / :func:`drafters_for_run` (names, folders -> drafters), :func:`drafter_for_target`.
 
 It hands drafter modules to training and drafter sessions (``start_cycle`` / ``expand``) to decoding.
 """

@@ -111,14 +111,10 @@ def segmented_attention(q: Tensor, segments: list[Segment], recorder=None) -> Te
             kb = s.k.view(B, kvh, 1, n // L, L, D)  # [B, kvH, 1, n/L, L, D]
             sc = (qg.view(B, kvh, g, n // L, L, D) @ kb.transpose(-1, -2)).view(B, kvh, g * n, L)  # [.., L]
         else:
-            sc = (
-                (qg.view(B, kvh, g, n, D) * s.k.unsqueeze(2)).sum(-1).view(B, kvh, g * n, 1)
-            )  # [B, kvH, g*n, 1]
+            sc = (qg.view(B, kvh, g, n, D) * s.k.unsqueeze(2)).sum(-1).view(B, kvh, g * n, 1)  # [.., 1]
         scores.append(sc)
     with torch.no_grad():
-        m = (
-            torch.stack([sc.amax(-1) for sc in scores]).amax(0, keepdim=False).unsqueeze(-1)
-        )  # [B, kvH, g*n, 1]
+        m = torch.stack([sc.amax(-1) for sc in scores]).amax(0).unsqueeze(-1)  # [B, kvH, g*n, 1]
     exps = [torch.exp(sc - m) for sc in scores]
     z = sum(e.sum(-1, keepdim=True) for e in exps)  # [B, kvH, g*n, 1]
     out = None

@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..target import Target
 from ..target.forward import crop, forward, new_cache
+from .base import SessionFactory, TargetView
 from .tree_mask import ancestor_matrix, tree_attention_mask
 
 BASELINES = ("self", "ngram", "random")
@@ -55,7 +57,7 @@ class ModelDraftSession:
         self.mask_dtype = next(model.parameters()).dtype
 
     @torch.inference_mode()
-    def start_cycle(self, committed: Tensor, view) -> Tensor:
+    def start_cycle(self, committed: Tensor, view: TargetView) -> Tensor:
         self._rewind(committed[0])
         new = committed[:, self.n_committed :]  # [1, n_new]: accepted drafts and the root
         positions = torch.arange(self.n_committed, committed.shape[1], device=new.device)[None]  # [1, n_new]
@@ -100,7 +102,7 @@ class ModelDraftSession:
 class SelfDrafter:
     """The target drafting for itself (plus Gaussian logit noise of std ``noise``, seeded per session)."""
 
-    target: object
+    target: Target
     noise: float = 0.0
     seed: int = 0
     paradigm: str = "baseline"
@@ -140,7 +142,7 @@ def early_exit_model(model: torch.nn.Module, n_layers: int) -> torch.nn.Module:
 class EarlyExitDrafter:
     """The target's first ``n_layers`` layers as an untrained drafter (a stand-in for a trained one)."""
 
-    target: object
+    target: Target
     n_layers: int
     paradigm: str = "baseline"
     regime: str = "-"
@@ -161,7 +163,7 @@ class RandomDraftSession:
     def __init__(self, vocab_size: int, generator: torch.Generator):
         self.vocab_size, self.generator = vocab_size, generator
 
-    def start_cycle(self, committed: Tensor, view) -> Tensor:
+    def start_cycle(self, committed: Tensor, view: TargetView) -> Tensor:
         return torch.randn(self.vocab_size, generator=self.generator)  # [V]
 
     def expand(self, tokens: Tensor, parents: Tensor) -> Tensor:
@@ -212,7 +214,7 @@ class NgramDraftSession:
                 return logits
         return logits
 
-    def start_cycle(self, committed: Tensor, view) -> Tensor:
+    def start_cycle(self, committed: Tensor, view: TargetView) -> Tensor:
         self.context = committed[0].cpu()
         self.paths = []
         return self.next_token_logits(self.context)
@@ -242,7 +244,9 @@ class NgramDrafter:
         return NgramDraftSession(self.vocab_size, self.max_n, self.min_n)
 
 
-def resolve_drafter(spec: str, target, seed: int = 0, dtype: torch.dtype | None = None):
+def resolve_drafter(
+    spec: str, target: Target, seed: int = 0, dtype: torch.dtype | None = None
+) -> SessionFactory | None:
     """A drafter by name (``self``, ``ngram``, ``random``, ``early-exit-<n>``, ``none`` -> None) or by the path
     of a trained drafter's checkpoint folder (loaded with ``kvshot_lib.drafters.load_drafter``, its weights cast
     to ``dtype`` when given: bf16 decoding runs the drafter in bf16 too)."""
@@ -274,7 +278,9 @@ def resolve_drafter(spec: str, target, seed: int = 0, dtype: torch.dtype | None 
     return load_drafter(str(path), target, dtype)
 
 
-def drafter_for_target(drafter, target, dtype: torch.dtype | None = None):
+def drafter_for_target(
+    drafter: SessionFactory | None, target: Target, dtype: torch.dtype | None = None
+) -> SessionFactory | None:
     """``drafter`` bound to ``target`` (another copy of the target it was made for, e.g. cast to bf16 for
     decoding), trained weights in ``dtype`` when given; a drafter that reads no target comes back as it is."""
     if isinstance(drafter, SelfDrafter):
@@ -290,7 +296,7 @@ def drafter_for_target(drafter, target, dtype: torch.dtype | None = None):
 
 def drafters_for_run(
     run_dir: str | Path | None,
-    target,
+    target: Target,
     baselines=BASELINES,
     seed: int = 0,
     dtype: torch.dtype | None = None,

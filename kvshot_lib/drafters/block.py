@@ -35,10 +35,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..target import Target
 from .attention import MLP, Attention, RMSNorm, Segment, segmented_attention
-from .common import TrainableDrafter, Unrolled
 from .config import DrafterConfig
 from .kv import KVInjector
+from .trainable import TrainableDrafter
+from .unroll import Unrolled
 
 
 def attention_layout(cfg: DrafterConfig) -> tuple[int, int, int]:
@@ -76,7 +78,15 @@ class BlockContext:
     """The attention segments of one training forward: every block row sees the target context before its
     root (``visible [B, 1, 1, n, T]``) and every row of its own block."""
 
-    def __init__(self, drafter, injected: dict, fused: Tensor | None, visible: Tensor, L: int, recorder=None):
+    def __init__(
+        self,
+        drafter: BlockDrafter,
+        injected: dict,
+        fused: Tensor | None,
+        visible: Tensor,
+        L: int,
+        recorder=None,
+    ):
         self.d, self.injected, self.fused, self.visible, self.L = drafter, injected, fused, visible, L
         self.recorder = recorder
         if fused is not None:
@@ -108,7 +118,7 @@ def anchor_rows(branches: Tensor | None, B: int, N: int, device) -> Tensor:
 
 
 class BlockDrafter(TrainableDrafter):
-    def __init__(self, cfg: DrafterConfig, target, d2t: Tensor):
+    def __init__(self, cfg: DrafterConfig, target: Target, d2t: Tensor):
         super().__init__(cfg, target, d2t)
         H, K = cfg.hidden_size, cfg.block_size
         self.block_size = K

@@ -19,13 +19,14 @@ import torch
 from torch import Tensor
 
 from .attention import Segment
+from .base import SessionFactory, TargetView
 from .kv_buffer import LayerKV, TargetKV
 
 
 class BlockDraftSession:
     recorder = None  # the layers' attention recorder hook: never used at decode time
 
-    def __init__(self, drafter, capacity: int = 512):
+    def __init__(self, drafter: SessionFactory, capacity: int = 512):
         d = self.d = drafter
         cfg = d.cfg
         self.d2t: Tensor | None = d.d2t
@@ -56,7 +57,7 @@ class BlockDraftSession:
     # ------------------------------------------------------------------------------------- the contract
 
     @torch.inference_mode()
-    def start_cycle(self, committed: Tensor, view) -> Tensor:
+    def start_cycle(self, committed: Tensor, view: TargetView) -> Tensor:
         d = self.d
         committed = committed.to(d.head.device)
         P = self.P = committed.shape[1] - 1

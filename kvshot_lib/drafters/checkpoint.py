@@ -21,40 +21,46 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..target import Target
+from .block import BlockDrafter
 from .config import DrafterConfig, DrafterConfigError, DrafterTargetMismatch
+from .cross import CrossDrafter
 from .eagle3_format import is_eagle3_folder, load_eagle3
+from .hidden import HiddenDrafter
+from .hybrid import HybridDrafter
+from .kv import KVDrafter
+from .no_target import NoTargetDrafter
+from .trainable import TrainableDrafter
 from .vocab import vocab_hash
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 SHARD_GLOB = "model-*-of-*.safetensors"
+CLASSES = {"hidden": HiddenDrafter, "kv": KVDrafter, "hybrid": HybridDrafter, "none": NoTargetDrafter}
+CLASSES.update(cross=CrossDrafter, block=BlockDrafter)  # one per config.PARADIGMS
 
 
-def drafter_class(paradigm: str):
-    from .block import BlockDrafter
-    from .cross import CrossDrafter
-    from .hidden import HiddenDrafter
-    from .hybrid import HybridDrafter
-    from .kv import KVDrafter
-    from .no_target import NoTargetDrafter
-
-    classes = {"hidden": HiddenDrafter, "kv": KVDrafter, "hybrid": HybridDrafter}
-    classes.update(block=BlockDrafter, none=NoTargetDrafter, cross=CrossDrafter)
-    return classes[paradigm]
+def fresh_drafter(cfg: DrafterConfig, target: Target, d2t: torch.Tensor) -> TrainableDrafter:
+    """A drafter of ``cfg.paradigm`` over ``target``, on its device, initialized from the global RNG."""
+    return CLASSES[cfg.paradigm](cfg, target, d2t).to(target.model.model.embed_tokens.weight.device)
 
 
-def build_drafter(cfg: DrafterConfig, target, d2t: torch.Tensor, seed: int | None = None):
+def build_drafter(
+    cfg: DrafterConfig, target: Target, d2t: torch.Tensor, seed: int | None = None
+) -> TrainableDrafter:
     """A freshly initialized drafter of ``cfg.paradigm`` for ``target`` (seeded if ``seed`` is given)."""
     cfg.vocab_hash = vocab_hash(d2t)
-    device = target.model.model.embed_tokens.weight.device
     if seed is None:
-        return drafter_class(cfg.paradigm)(cfg, target, d2t).to(device)
+        return fresh_drafter(cfg, target, d2t)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # parameters are initialized on the CPU, so the seed fixes them on any device
-        return drafter_class(cfg.paradigm)(cfg, target, d2t).to(device)
+        return fresh_drafter(cfg, target, d2t)
 
 
 def save_drafter(
-    drafter, path: str | Path, dtype: torch.dtype | None = None, max_file_bytes: int | None = None
+    drafter: TrainableDrafter,
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    max_file_bytes: int | None = None,
 ) -> Path:
     """Write ``config.json`` and the weights under ``path`` (atomically per file).
 
@@ -148,7 +154,7 @@ def read_config(path: str | Path) -> DrafterConfig:
     return DrafterConfig.from_dict(raw)
 
 
-def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None):
+def load_drafter(path: str | Path, target: Target, dtype: torch.dtype | None = None) -> TrainableDrafter:
     """Load a drafter checkpoint for ``target``; raises a clear error on a wrong target or a bad checkpoint.
     ``dtype`` (e.g. ``torch.bfloat16`` for bf16 decoding) casts its weights and draft head after loading.
     A folder in the shared EAGLE-3 layout (``eagle3_format.py``) loads as a hidden drafter."""
@@ -168,7 +174,7 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None):
             f"{path}: the draft vocabulary in {WEIGHTS_FILE} (hash {vocab_hash(d2t)}) does not "
             f"match the config's vocab_hash {cfg.vocab_hash}; the two files come from different runs."
         )
-    drafter = drafter_class(cfg.paradigm)(cfg, target, d2t).to(target.model.model.embed_tokens.weight.device)
+    drafter = fresh_drafter(cfg, target, d2t)
     probe = drafter.target_probe.cpu()
     saved = state.get("target_probe")
     if saved is None or saved.shape != probe.shape or not torch.allclose(saved, probe, rtol=2e-2, atol=1e-3):
@@ -189,12 +195,13 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None):
     return drafter if dtype is None else drafter.to(dtype)
 
 
-def rebind_drafter(drafter, target, dtype: torch.dtype | None = None):
+def rebind_drafter(
+    drafter: TrainableDrafter, target: Target, dtype: torch.dtype | None = None
+) -> TrainableDrafter:
     """The same trained drafter bound to another copy of its target (e.g. the target cast to bf16 for decoding):
     a fresh drafter of the same config over ``target``'s embedding, rotary table and LM-head rows, with
     ``drafter``'s learned weights, cast to ``dtype`` when given."""
-    fresh = drafter_class(drafter.cfg.paradigm)(drafter.cfg, target, drafter.d2t.cpu())
-    fresh = fresh.to(target.model.model.embed_tokens.weight.device)
+    fresh = fresh_drafter(drafter.cfg, target, drafter.d2t.cpu())
     state = {k: v for k, v in drafter.state_dict().items() if k != "target_probe"}
     result = fresh.load_state_dict(state, strict=False)
     if result.missing_keys != ["target_probe"] or result.unexpected_keys:

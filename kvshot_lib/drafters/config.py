@@ -8,7 +8,9 @@ refuses a target the drafter was not built for.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
+
+from ..target import Target
 
 PARADIGMS = ("hidden", "kv", "hybrid", "none", "cross", "block")
 # "none": the no-target control (a tiny LM over the prefix; reads nothing of the target but its embedding and
@@ -61,9 +63,7 @@ class DrafterConfig:
     context: str = ""  # block drafter: "kv" | "hidden" | "both" (what of the target it reads); "" otherwise
     block_size: int = 0  # block drafter: K, the tokens one forward drafts; 0 otherwise
     fc_norm: bool = False  # EAGLE 3.1: one RMSNorm per fused target layer, before fc
-    norm_output: bool = (
-        False  # EAGLE 3.1: deeper draft steps are fed the output hidden state after the final norm
-    )
+    norm_output: bool = False  # EAGLE 3.1: deeper steps are fed the previous output after the final norm
     vocab_hash: str = ""
     name: str = ""
     regime: str = ""
@@ -148,19 +148,8 @@ class DrafterConfig:
     @classmethod
     def from_dict(cls, d: dict) -> DrafterConfig:
         names = {f.name for f in fields(cls)}
-        optional = (
-            "kv_recency",
-            "target_kv",
-            "context",
-            "block_size",
-            "kv_softmax",
-            "fc_norm",
-            "norm_output",
-            "vocab_hash",
-            "name",
-            "regime",
-        )
-        missing = sorted(n for n in names if n not in d and n not in (*optional, "format", "extra"))
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        missing = sorted(required - set(d))
         if missing:
             raise DrafterConfigError(f"drafter config lacks {missing}; it is not a {FORMAT} config.")
         unknown = sorted(set(d) - names)
@@ -180,7 +169,7 @@ class DrafterConfig:
 
 
 def drafter_config_for(
-    target,
+    target: Target,
     paradigm: str,
     n_layers: int = 1,
     kv_mode: str = "concat",

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..target import Target
 from .config import DrafterConfig, DrafterConfigError, DrafterTargetMismatch, drafter_config_for
 from .hidden import HiddenDrafter
 from .vocab import vocab_hash
@@ -77,7 +78,7 @@ def exportable(cfg: DrafterConfig) -> None:
         )
 
 
-def export_eagle3(drafter, target, out: str | Path) -> Path:
+def export_eagle3(drafter: HiddenDrafter, target: Target, out: str | Path) -> Path:
     """Write ``drafter`` (a one-layer hidden drafter) in the EAGLE-3 layout under ``out``; returns ``out``."""
     cfg = drafter.cfg
     exportable(cfg)
@@ -100,7 +101,7 @@ def export_eagle3(drafter, target, out: str | Path) -> Path:
     return out
 
 
-def eagle3_config(cfg: DrafterConfig, target) -> dict:
+def eagle3_config(cfg: DrafterConfig, target: Target) -> dict:
     """The ``config.json`` of the EAGLE-3 layout for a hidden drafter of ``cfg`` over ``target``."""
     tc = target.model.config
     rope = getattr(tc, "rope_parameters", None) or {"rope_theta": getattr(tc, "rope_theta", 10000.0)}
@@ -139,7 +140,7 @@ def eagle3_config(cfg: DrafterConfig, target) -> dict:
     }
 
 
-def load_eagle3(path: str | Path, target, dtype: torch.dtype | None = None):
+def load_eagle3(path: str | Path, target: Target, dtype: torch.dtype | None = None) -> HiddenDrafter:
     """An EAGLE-3 folder as a suite hidden drafter over ``target`` (same decode contract, notebooks, ``bench``)."""
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())

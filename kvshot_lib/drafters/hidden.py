@@ -14,7 +14,7 @@ bit, ``tests/test_eagle31.py``):
 * ``fc_norm``: one RMSNorm per captured target layer, applied to each layer's feature before the
   concatenation and ``fc``, so that every layer enters at the same scale;
 * ``norm_output``: a deeper draft step is fed the previous step's output *after* the final norm
-  (:meth:`~kvshot_lib.drafters.common.TrainableDrafter.feedback`), not the pre-norm residual stream.
+  (:meth:`~kvshot_lib.drafters.trainable.TrainableDrafter.feedback`), not the pre-norm residual stream.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..target import Target
 from .attention import MLP, Attention, RMSNorm, segmented_attention
-from .common import TrainableDrafter
 from .config import DrafterConfig
+from .trainable import TrainableDrafter
 
 
 def init_input(layer: nn.Module, cfg: DrafterConfig, first: bool) -> int:
@@ -70,7 +71,7 @@ class HiddenLayer(nn.Module):
 class HiddenDrafter(TrainableDrafter):
     layer_class = HiddenLayer
 
-    def __init__(self, cfg: DrafterConfig, target, d2t: Tensor):
+    def __init__(self, cfg: DrafterConfig, target: Target, d2t: Tensor):
         super().__init__(cfg, target, d2t)
         H = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.hidden_layers) * H, H, bias=False)

@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..target import Target
 from .attention import MLP, Attention, RMSNorm, apply_rope, segmented_attention, undo_rope
-from .common import TrainableDrafter
 from .config import DrafterConfig
+from .trainable import TrainableDrafter
 
 
 class KVInjector(nn.Module):
@@ -109,6 +110,6 @@ class KVLayer(nn.Module):
 
 
 class KVDrafter(TrainableDrafter):
-    def __init__(self, cfg: DrafterConfig, target, d2t: Tensor):
+    def __init__(self, cfg: DrafterConfig, target: Target, d2t: Tensor):
         super().__init__(cfg, target, d2t)
         self.layers = nn.ModuleList(KVLayer(cfg) for _ in range(cfg.n_layers))

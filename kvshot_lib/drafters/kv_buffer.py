@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .base import SessionFactory
+
 
 def grow(buf: Tensor, need: int, dim: int) -> Tensor:
     """``buf`` with at least ``need`` rows along ``dim`` (twice as many when it must grow), the old rows kept."""
@@ -32,12 +34,9 @@ class LayerKV:
     """Per-layer K and V rows, ``[1, heads, capacity, head_dim]`` each."""
 
     def __init__(self, n_layers: int, heads: int, head_dim: int, capacity: int, device, dtype):
-        self.k = [
-            torch.zeros(1, heads, capacity, head_dim, device=device, dtype=dtype) for _ in range(n_layers)
-        ]
-        self.v = [
-            torch.zeros(1, heads, capacity, head_dim, device=device, dtype=dtype) for _ in range(n_layers)
-        ]
+        shape = (1, heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
 
     def write(self, li: int, a: int, b: int, k: Tensor, v: Tensor) -> None:
         """Rows ``a..b-1`` of layer ``li`` become ``k, v [1, heads, b - a, D]``."""
@@ -50,7 +49,7 @@ class LayerKV:
 class TargetKV(LayerKV):
     """The target's KV as the drafter's layers read it, positions ``0..n-1``."""
 
-    def __init__(self, drafter, capacity: int):
+    def __init__(self, drafter: SessionFactory, capacity: int):
         cfg = drafter.cfg
         heads, dim = cfg.n_injected_heads, cfg.target_head_dim
         super().__init__(cfg.n_layers, heads, dim, capacity, drafter.head.device, drafter.head.dtype)

@@ -4,7 +4,7 @@ It is a tiny causal language model over the prefix, the floor every context-reus
 (the KVShot paper's "no target information" row: flat at alpha ~ 0.24 over every draft step).
 
 * Input: the embedding of the current token only (the target's frozen embedding, as every drafter).
-* Layers: plain pre-norm decoder layers (self-attention + SwiGLU MLP) with the hidden drafter's head layout.
+* Layers: plain pre-norm decoder layers (self-attention + SwiGLU MLP): the hidden drafter's deeper layers.
   Their self-attention runs over the drafter's *own* K/V of every context position, computed from the
   context tokens' embeddings (like the hidden drafter's own context cache, but from tokens, not features),
   plus the tokens drafted in the current branch. It never reads the target's hidden states or KV cache.
@@ -22,27 +22,13 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .attention import MLP, Attention, RMSNorm
-from .common import TrainableDrafter
+from ..target import Target
 from .config import DrafterConfig
-from .hidden import self_attention
-
-
-class NoTargetLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        H = cfg.hidden_size
-        self.input_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.self_attn = Attention(H, H, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
-        self.post_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.mlp = MLP(H, cfg.intermediate_size)
-
-    def forward(self, x: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, ctx, li: int) -> Tensor:
-        h = x + self_attention(self, self.input_norm(x), cos, sin, ctx, li)  # [B, n, H]
-        return h + self.mlp(self.post_norm(h))
+from .hidden import HiddenLayer
+from .trainable import TrainableDrafter
 
 
 class NoTargetDrafter(TrainableDrafter):
-    def __init__(self, cfg: DrafterConfig, target, d2t: Tensor):
+    def __init__(self, cfg: DrafterConfig, target: Target, d2t: Tensor):
         super().__init__(cfg, target, d2t)
-        self.layers = nn.ModuleList(NoTargetLayer(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(HiddenLayer(cfg, first=False) for _ in range(cfg.n_layers))

@@ -21,13 +21,14 @@ import torch
 from torch import Tensor
 
 from .attention import Segment
+from .base import SessionFactory, TargetView
 from .kv_buffer import LayerKV, TargetKV, grow
 
 
 class TrainedDraftSession:
     recorder = None  # the layers' attention recorder hook: never used at decode time
 
-    def __init__(self, drafter, capacity: int = 512, node_capacity: int = 64):
+    def __init__(self, drafter: SessionFactory, capacity: int = 512, node_capacity: int = 64):
         d = self.d = drafter
         cfg = d.cfg
         self.d2t: Tensor | None = d.d2t
@@ -81,7 +82,7 @@ class TrainedDraftSession:
     # ------------------------------------------------------------------------------------- the contract
 
     @torch.inference_mode()
-    def start_cycle(self, committed: Tensor, view) -> Tensor:
+    def start_cycle(self, committed: Tensor, view: TargetView) -> Tensor:
         d = self.d
         committed = committed.to(self.anc.device)
         P = committed.shape[1] - 1

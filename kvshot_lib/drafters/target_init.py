@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from ..target import decoder_layers
+from ..target import Target, decoder_layers
 from .config import DrafterConfigError
+from .kv import KVDrafter
 
 
 @torch.no_grad()
-def init_attention_from_target(drafter, target) -> dict:
+def init_attention_from_target(drafter: KVDrafter, target: Target) -> dict:
     """Copy the target's attention into a KV-only drafter (module doc); returns what was initialized."""
     cfg = drafter.cfg
     if cfg.paradigm != "kv":

@@ -1,4 +1,4 @@
-"""Training-time unrolling: the batch a drafter trains on, and EAGLE-3's TTT attention pattern.
+"""Training-time unrolling: the batch a drafter trains on, EAGLE-3's TTT attention pattern, and the unroll itself.
 
 **Index convention.** A training sequence has tokens ``x_0 .. x_{T-1}``. Index ``i`` (``0 <= i < N = T-1``)
 is one draft *branch*: its root is token ``x_{i+1}`` at position ``i+1``, paired (EAGLE style) with the
@@ -14,18 +14,20 @@ predicts ``x_{i+2+k}``, whose soft label is the target's distribution at positio
   its own keys exist only for the root and the drafted tokens, the context is the target's KV);
 * its own keys of steps ``1..k`` at index ``i`` — ``diag`` segments: the branch's own drafted tokens.
 
-:func:`ttt_attention_mask` writes the same pattern as one dense boolean matrix (for tests and figures).
+:func:`ttt_attention_mask` writes the same pattern as one dense boolean matrix (for tests and figures), and
+:func:`unroll` (every trainable drafter's ``forward``, the block drafter's aside) runs the steps.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
 from .attention import Segment
+from .base import SessionFactory
 
 
 @dataclass
@@ -48,12 +50,7 @@ class TrainBatch:
         def mv(x):
             return None if x is None else x.to(device, non_blocking=True)
 
-        return TrainBatch(
-            *(
-                mv(getattr(self, f))
-                for f in ("ids", "loss_mask", "lengths", "final_hidden", "hidden", "keys", "values")
-            )
-        )
+        return TrainBatch(**{f.name: mv(getattr(self, f.name)) for f in fields(self)})
 
 
 def shifted(x: Tensor, k: int, n: int, fill=0) -> Tensor:
@@ -137,19 +134,9 @@ class UnrollContext:
         for s, (ks, vs) in enumerate(steps):
             if s == 0 and self.own_context:
                 segs.append(Segment(ks, vs, "dense", self._mask(), ("own", layer, 0)))
-            elif (
-                s == 0 and self.step > 0 and self.branches is not None
-            ):  # KV-only root keys of the kept branches
-                segs.append(
-                    Segment(
-                        ks[:, :, self.branches],
-                        vs[:, :, self.branches],
-                        "diag",
-                        None,
-                        ("own", layer, 0),
-                        self.branches,
-                    )
-                )
+            elif s == 0 and self.step > 0 and self.branches is not None:  # KV-only: the kept branches' roots
+                b = self.branches
+                segs.append(Segment(ks[:, :, b], vs[:, :, b], "diag", None, ("own", layer, 0), b))
             else:
                 segs.append(Segment(ks, vs, "diag", None, ("own", layer, s)))
         if self.recorder is not None:
@@ -158,3 +145,66 @@ class UnrollContext:
 
     def cross_segments(self, layer: int) -> list[Segment]:
         return [self._target_segment(layer)]
+
+
+@dataclass
+class Unrolled:
+    outs: list[Tensor]  # per step: [B, N, H] output hidden state (before the final norm)
+    ctx: UnrollContext
+    fused: Tensor | None  # [B, N, H] fc(target features) at step 0 (hidden, hybrid)
+    injected: dict[int, tuple[Tensor, Tensor]]  # layer -> injected target (K, V), each [B, kvH, T, D]
+    rows: list[Tensor | None]  # per step: the branch indices it ran ([M]), None = all N
+
+
+def unroll(
+    drafter: SessionFactory,
+    batch: TrainBatch,
+    n_steps: int,
+    detach_chain: bool = False,
+    recorder=None,
+    branches: Tensor | None = None,
+) -> Unrolled:
+    """Unroll ``n_steps`` draft steps of a trainable drafter over the batch's branches at once (EAGLE-3's TTT layout).
+
+    Step 0 runs every branch (it also builds the hidden/hybrid drafters' own context cache). Steps
+    ``>= 1`` run the branches ``branches [M]`` (sorted indices; ``None`` = all, which is EAGLE-3): a
+    random subset estimates the full loss for a fraction of the cost (each kept branch is exact; the
+    loss averaged over kept positions is a ratio estimator, close to but not exactly unbiased).
+    """
+    d, cfg = drafter, drafter.cfg
+    B, T = batch.ids.shape
+    N = T - 1
+    dev = d.head.device
+    injected = {}
+    if cfg.uses_target_kv:
+        dt = d.compute_dtype()
+        injected = d.inject(batch.keys.to(dt), batch.values.to(dt), torch.arange(T, device=dev))
+    ctx = UnrollContext(
+        N,
+        dev,
+        injected,
+        own_context=cfg.own_context,
+        target_in_self=d.paradigm == "kv",
+        recorder=recorder,
+        branches=branches,
+    )
+    pos = torch.arange(1, T, device=dev)  # index i -> position i+1  [N]
+    fused = d.fuse(batch.hidden[:, :N].to(d.compute_dtype())) if cfg.uses_hidden else None  # [B, N, H]
+    feat, outs, rows = fused, [], []
+    for k in range(n_steps):
+        sel = None if k == 0 else branches
+        ctx.step = k
+        ids = shifted(batch.ids, 1 + k, N)  # x_{i+1+k}  [B, N]
+        p = pos + k
+        if sel is not None:
+            ids, p = ids[:, sel], p[sel]  # [B, M], [M]
+            if k == 1 and feat is not None:
+                feat = feat[:, sel]  # [B, M, H]
+        emb = d.embed(ids)  # [B, n, H]
+        cos, sin = d.rope(p)
+        h = d.run_layers(feat if cfg.uses_hidden else emb, emb, cos, sin, ctx)  # [B, n, H]
+        outs.append(h)
+        rows.append(sel)
+        if cfg.uses_hidden:  # deeper steps reuse the drafter's own output in place of the target's
+            feat = d.feedback(h.detach() if detach_chain else h)
+    return Unrolled(outs, ctx, fused, injected, rows)

@@ -28,9 +28,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ..corpus import answer_text, batched_greedy, chat_prompt_ids, load_mtbench, mtbench_messages
-from ..decoding.cycle import CycleState, DecodeConfig, GenerationResult, stop_tokens
-from ..decoding.engine import autoregressive_generate, speculative_generate, walk_tree
+from ..decoding.config import DecodeConfig, GenerationResult
+from ..decoding.cycle import CycleState, stop_tokens
+from ..decoding.engine import autoregressive_generate, speculative_generate
 from ..decoding.tree import DraftTree
+from ..decoding.verify import walk_tree
 from ..drafters.base import TargetView
 from ..target.forward import forward, new_cache
 from . import metrics

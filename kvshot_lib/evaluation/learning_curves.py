@@ -1,7 +1,7 @@
 """Learning curves: where each paradigm is heading, not only where a budget left it (notebook 02).
 
 The training loop logs a ``curve`` table: held-out per-step accuracy at log-spaced token budgets, each
-point after a WSD decay branch (``training/curves.py``). From it:
+point after a WSD decay branch (``training/schedule.py``). From it:
 
 * :func:`curve_table`: long form, one row per (drafter, budget, metric) for ``acc_0``, ``acc_3``, ``acc_6``
   and the formula MAT ``1 + sum_k prod_{j<=k} acc_j``, each with its standard error and 95% interval

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..decoding.cycle import DecodeConfig, Prefill
+from ..decoding.config import DecodeConfig
+from ..decoding.cycle import Prefill
 from ..decoding.engine import autoregressive_generate
 from ..decoding.specpv import PartialStep, SpecPVConfig, full_block, specpv_generate
 from ..target.forward import cache_length, crop, forward

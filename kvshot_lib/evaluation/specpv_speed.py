@@ -24,8 +24,9 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..decoding.cycle import DecodeConfig, Prefill
-from ..decoding.dispatch import generate
+from ..decoding.config import DecodeConfig
+from ..decoding.cycle import Prefill
+from ..decoding.generate import generate
 from ..decoding.specpv import SpecPVConfig
 from . import metrics
 from .specpv_fidelity import first_divergence, mat_by_kind

@@ -4,7 +4,7 @@ Methods (:data:`METHODS`):
 * ``ar``: our plain decoding loop with a KV cache (the baseline of every speedup);
 * ``chain`` / ``tree``: speculative decoding with a drafter (trained, ``ngram`` prompt lookup, ``self``) in the
   fixed shape of the base config;
-* ``chain_chosen`` / ``tree_chosen``: the same with the shape chosen by expected speed (``decoding.shapes``: the
+* ``chain_chosen`` / ``tree_chosen``: the same with the shape chosen by expected speed (``decoding.speed_model``: the
   measured cost model of the precision, acceptance estimates learned online by the method's own runs);
 * ``combined``: a chosen tree with prompt lookup's continuation in the same proposal (trained drafters);
 * ``hf_generate``: Hugging Face's ``generate`` (greedy, or sampling at temperature > 0);
@@ -29,10 +29,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ..corpus import answer_text, chat_prompt_ids, load_mtbench, mtbench_messages
+from ..decoding.config import DecodeConfig, GenerationResult
 from ..decoding.cost_model import cost_model_for, decode_choice_for
-from ..decoding.cycle import DecodeConfig, GenerationResult, stop_tokens
-from ..decoding.dispatch import generate
-from ..decoding.shapes import SpeedModel
+from ..decoding.cycle import stop_tokens
+from ..decoding.generate import generate
+from ..decoding.speed_model import SpeedModel
 from ..drafters import NgramDrafter, drafter_for_target
 from ..target import cast_target, decode_dtype, precision_label
 from ..target.precision import DTYPES, PrecisionChoice

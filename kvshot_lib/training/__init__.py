@@ -1,12 +1,16 @@
-"""The training stage: turn a feature store into a trained drafter checkpoint, with its logs.
+"""The training stage: turn feature stores (or tokenized splits) into a drafter checkpoint, with its logs.
 
-* training data: feature stores, or tokenized splits with the target run inside the loop (``online.py``);
-* :class:`TrainConfig` (and :func:`parse_drafter_specs` for a notebook's list of drafters) is the one place
-  a parameter dict becomes a validated configuration;
-* :func:`train_drafter` trains one drafter under teacher forcing, TTT, TTT with dense
-  per-position losses (``ttt_dense``) or parallel block drafting (``parallel``), with held-out
-  per-step accuracy, gradient probes, resume, and ``accelerate``;
-* :mod:`.grad_probes` measures how much gradient reaches each parameter group and each K/V position.
+* ``config.py``: :class:`TrainConfig` (:func:`parse_drafter_specs` for a notebook's list), the one place a
+  parameter dict becomes a validated configuration;
+* ``data.py``: what a run trains on (``data_source``): feature stores (``batches.py``) or tokenized splits,
+  the target run inside the loop (``online.py``); ``init_from_checkpoint``;
+* ``loop.py``: :func:`train_drafter`, one drafter's run, with resume (``state.py``) and ``accelerate``;
+  ``losses.py``: the regimes' objectives (teacher forcing, TTT, ``ttt_dense``, ``parallel``);
+* ``schedule.py``: the learning rate (cosine, warmup-stable-decay) and the learning-curve budgets;
+  ``convergence.py``: when to stop (``Stopping``: plateau, early stopping, time cap) and run summaries;
+* ``heldout.py``: per-step held-out accuracy; ``kv_ablation.py``: the same with the target KV ablated;
+  ``grad_probes.py``: the gradient reaching each parameter group and K/V position;
+* ``cli.py``: ``kvshot train``.
 
 It hands checkpoint folders (``config.json`` + ``model.safetensors``) and log tables to decoding,
 evaluation and the plots.
@@ -15,8 +19,7 @@ evaluation and the plots.
 from .batches import BatchOrder, StoreBatches, batch_from_target, collate, target_sequence
 from .config import DATA_SOURCES, TrainConfig, TrainConfigError, parse_drafter_specs
 from .convergence import EarlyStopping, heldout_acceptance, plateau, plateau_step, run_summary, stable_plateau
-from .curves import SCHEDULES, curve_steps, lr_factor, run_end
-from .data import check_data, init_from_checkpoint
+from .data import init_from_checkpoint
 from .grad_probes import (
     GROUPS,
     PROBE_TABLES,
@@ -53,6 +56,7 @@ from .loop import (
 )
 from .losses import branch_valid, regime_loss, sample_anchors, sample_branches, step_mask
 from .online import OnlineBatches, online_eval_set, target_batch
+from .schedule import SCHEDULES, curve_steps, lr_factor, run_end
 from .state import read_train_state
 
 __all__ = [
@@ -79,7 +83,6 @@ __all__ = [
     "budget_note",
     "build_draft_vocab",
     "build_optimizer",
-    "check_data",
     "collate",
     "combined_table",
     "evaluate_per_step",

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..drafters.unroll import TrainBatch
+from ..target import Target
 from ..target.forward import sequence_features
 
 
@@ -112,7 +113,7 @@ class StoreBatches(BatchOrder):
 
 
 @torch.no_grad()
-def target_sequence(target, ids: Tensor, loss_mask: Tensor, cfg) -> dict[str, Tensor]:
+def target_sequence(target: Target, ids: Tensor, loss_mask: Tensor, cfg) -> dict[str, Tensor]:
     """One sequence's feature-store fields computed directly from ``target``, in float32 (tests, benchmarks)."""
     f = sequence_features(target.model, ids[None], cfg.hidden_layers, cfg.kv_layers)
     seq = {"input_ids": ids, "loss_mask": loss_mask, "final_hidden": f.final[0].float().cpu()}
@@ -124,6 +125,6 @@ def target_sequence(target, ids: Tensor, loss_mask: Tensor, cfg) -> dict[str, Te
     return seq
 
 
-def batch_from_target(target, ids: Tensor, loss_mask: Tensor, cfg) -> TrainBatch:
+def batch_from_target(target: Target, ids: Tensor, loss_mask: Tensor, cfg) -> TrainBatch:
     """A one-sequence batch (``ids``, ``loss_mask``: ``[T]``) with what the feature store would hold, in float32."""
     return collate([target_sequence(target, ids, loss_mask, cfg)], cfg)

@@ -22,8 +22,8 @@ from ..drafters.config import (
     TARGET_KV,
 )
 from ..target.precision import PRECISIONS
-from .curves import SCHEDULES
 from .grad_probes import GROUPS
+from .schedule import SCHEDULES
 
 DATA_SOURCES = ("store", "online")
 STOP_METRICS = ("mat", "acc_0")
@@ -66,7 +66,7 @@ class TrainConfig:
     lr: float = 1e-3
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
-    schedule: str = "cosine"  # "cosine" | "wsd" (warmup-stable-decay, training/curves.py)
+    schedule: str = "cosine"  # "cosine" | "wsd" (warmup-stable-decay, training/schedule.py)
     # wsd: the final decay, and each curve point's decay branch, as a share of its budget
     decay_fraction: float = 0.1
     # held-out points at log-spaced budgets T/2^j, each after a decay branch (wsd; 0 = off)
@@ -149,31 +149,29 @@ class TrainConfig:
         def bad(msg):
             raise TrainConfigError(f"drafter {self.name!r}: {msg}")
 
-        if self.paradigm not in PARADIGMS:
-            bad(f"paradigm must be one of {PARADIGMS}, got {self.paradigm!r}.")
+        def one_of(name: str, allowed: tuple) -> None:
+            if getattr(self, name) not in allowed:
+                bad(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
+
+        one_of("paradigm", PARADIGMS)
         if self.regime not in REGIMES:
             bad(
                 f"regime must be one of {REGIMES} (teacher forcing, training-time test, TTT with dense "
                 f"per-position losses, parallel block drafting), got {self.regime!r}."
             )
-        if self.kv_mode not in KV_MODES:
-            bad(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}.")
-        if self.target_kv not in TARGET_KV:
-            bad(f"target_kv must be one of {TARGET_KV}, got {self.target_kv!r}.")
+        one_of("kv_mode", KV_MODES)
+        one_of("target_kv", TARGET_KV)
         if self.target_kv != "real" and self.paradigm not in (*READS_KV, "block"):
             bad(
                 f"target_kv applies to drafters that read the target's KV {READS_KV}, not to {self.paradigm!r}."
             )
-        if self.kv_softmax not in KV_SOFTMAX:
-            bad(f"kv_softmax must be one of {KV_SOFTMAX}, got {self.kv_softmax!r}.")
+        one_of("kv_softmax", KV_SOFTMAX)
         if (self.fc_norm or self.norm_output) and self.paradigm not in EAGLE31_PARADIGMS:
             bad(
                 f"fc_norm and norm_output (EAGLE 3.1) apply to {EAGLE31_PARADIGMS}, not to {self.paradigm!r}."
             )
-        if self.data_source not in DATA_SOURCES:
-            bad(f"data_source must be one of {DATA_SOURCES}, got {self.data_source!r}.")
-        if self.early_stop_metric not in STOP_METRICS:
-            bad(f"early_stop_metric must be one of {STOP_METRICS}, got {self.early_stop_metric!r}.")
+        one_of("data_source", DATA_SOURCES)
+        one_of("early_stop_metric", STOP_METRICS)
         if self.early_stop_patience < 0:
             bad(f"early_stop_patience must be >= 0 (0 = off), got {self.early_stop_patience}.")
         if self.early_stop_patience and not self.eval_every:
@@ -207,10 +205,8 @@ class TrainConfig:
             bad(f"lr must be > 0, got {self.lr}.")
         if self.max_tokens is not None and self.max_tokens < 2 + self.n_train_steps:
             bad(f"max_tokens={self.max_tokens} is too short for {self.n_train_steps} draft steps.")
-        if self.mixed_precision not in PRECISIONS:
-            bad(f"mixed_precision must be one of {PRECISIONS}, got {self.mixed_precision!r}.")
-        if self.schedule not in SCHEDULES:
-            bad(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
+        one_of("mixed_precision", PRECISIONS)
+        one_of("schedule", SCHEDULES)
         if not 0 < self.decay_fraction < 1:
             bad(f"decay_fraction must be in (0, 1), got {self.decay_fraction}.")
         if self.curve_points < 0 or (self.curve_points and self.schedule != "wsd"):

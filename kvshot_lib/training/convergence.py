@@ -5,6 +5,8 @@
   chain as deep as the evaluation, ``1 + sum_k prod_{j<=k} acc_j`` (the MAT formula of the paper's Table 5).
 * :class:`EarlyStopping` stops after ``patience`` evaluations without a better acceptance and remembers the
   best state: acceptance, not loss, decides (DeepSpec saw acceptance peak while the loss kept falling).
+* :class:`Stopping` is what the loop asks at every step: where the WSD decay starts (the plateau rule), whether
+  this step is the last (the run's end, early stopping, the ``max_seconds`` cap) and why the run stopped.
 * :func:`plateau` says whether the last ``fraction`` of training moved held-out ``acc_0`` by under ``tol``
   (the reference run's convergence criterion: the last 20% moves it by under 1 point).
 * :func:`run_summary` is the per-row report: tokens seen, wall time, final accuracies, plateau, stopping.
@@ -14,9 +16,12 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from .curves import decay_start
+from ..drafters.trainable import TrainableDrafter
+from .schedule import decay_start, run_end
 
 
 def heldout_acceptance(ev: dict, metric: str = "mat") -> float:
@@ -43,7 +48,7 @@ class EarlyStopping:
         self.best_eval: dict = {}
         self.bad_evals = 0
 
-    def update(self, step: int, ev: dict, drafter=None) -> bool:
+    def update(self, step: int, ev: dict, drafter: TrainableDrafter | None = None) -> bool:
         value = heldout_acceptance(ev, self.metric)
         if value > self.best_value + self.min_delta:
             self.best_value, self.best_step, self.bad_evals, self.best_eval = value, step, 0, dict(ev)
@@ -73,7 +78,7 @@ class EarlyStopping:
         self.best_eval, self.bad_evals = dict(meta["best_eval"]), int(meta["bad_evals"])
         self.best_state = {k: v.cpu() for k, v in best_state.items()} if meta["has_best_state"] else None
 
-    def restore(self, drafter) -> bool:
+    def restore(self, drafter: TrainableDrafter) -> bool:
         """Load the best state into ``drafter`` (True if there was one to load)."""
         if self.best_state is None:
             return False
@@ -81,6 +86,58 @@ class EarlyStopping:
         with torch.no_grad():
             drafter.load_state_dict({k: v.to(device) for k, v in self.best_state.items()}, strict=True)
         return True
+
+
+class Stopping:
+    """When a run stops, as the loop asks it: the plateau rule (``plateau_stop``) ends the stable phase at
+    :attr:`decay_from` (a function of the evaluation log, so a resumed run decides at the same step), early
+    stopping (:attr:`early`, saved with the training state) ends the run, and so does ``max_seconds``."""
+
+    def __init__(self, cfg):
+        self.cfg, self.early = cfg, EarlyStopping(cfg.early_stop_patience, cfg.early_stop_metric)
+        self.decay_from: int | None = None
+        self.early_stopped = self.out_of_time = False
+
+    @property
+    def end(self) -> int:
+        return run_end(self.cfg, self.decay_from)
+
+    def follow_plateau(self, evals: list[dict]) -> None:
+        """End the stable phase at the first evaluation where the plateau rule holds."""
+        if self.cfg.plateau_stop and self.decay_from is None:
+            self.decay_from = plateau_step(evals, self.cfg.plateau_stop)
+
+    def is_last(self, step: int, t_start: float, acc) -> bool:
+        """Whether step ``step`` (0-based) ends the run: its end, or the time cap (the same on every process)."""
+        if self.cfg.max_seconds is not None:
+            late = time.perf_counter() - t_start > self.cfg.max_seconds
+            if acc.num_processes > 1:
+                late = bool(acc.reduce(torch.tensor([float(late)], device=acc.device), "max").item())
+            self.out_of_time = late
+        return step == self.end - 1 or self.out_of_time
+
+    def evaluated(self, evals: list[dict], drafter: TrainableDrafter, last: bool) -> bool:
+        """After the held-out evaluation ``evals[-1]``: the plateau rule, then early stopping (which keeps the
+        best drafter); whether the run ends at this step."""
+        if not last:
+            self.follow_plateau(evals)
+        self.early_stopped = self.early.update(evals[-1]["step"], evals[-1], drafter) and not last
+        return last or self.early_stopped
+
+    def finish(self, drafter: TrainableDrafter, evals: list[dict], steps: int) -> dict:
+        """Why the run stopped, for its checkpoint; under early stopping, the best drafter is put back and its
+        evaluation appended to ``evals`` as that of step ``steps``."""
+        c, early, reason = self.cfg, self.early, ""
+        if self.early_stopped:
+            reason = f"no better held-out {c.early_stop_metric} in {c.early_stop_patience} evaluations"
+        elif self.out_of_time:
+            reason = f"max_seconds={c.max_seconds} reached"
+        elif self.decay_from is not None:
+            reason = f"plateau: held-out acc_0 moved < {c.plateau_stop} over the last quarter by step {self.decay_from}"
+        record = dict(stopped_early=bool(reason), stop_reason=reason, best_step=early.best_step or None)
+        if c.early_stop_patience and early.best_step != evals[-1]["step"] and early.restore(drafter):
+            evals.append(dict(early.best_eval, step=steps, restored_from_step=early.best_step))
+        return record
 
 
 def plateau(evals: list[dict], fraction: float = 0.2, tol: float = 0.01, metric: str = "acc_0") -> dict:
@@ -109,7 +166,7 @@ def plateau(evals: list[dict], fraction: float = 0.2, tol: float = 0.01, metric:
 def plateau_step(evals: list[dict], tol: float, fraction: float = 0.25, min_evals: int = 4) -> int | None:
     """The step of the first held-out evaluation at which acc_0 had moved by less than ``tol`` over the last
     ``fraction`` of the steps (:func:`plateau`), among runs of at least ``min_evals`` evaluations; None if none
-    has. Training to a plateau ends its stable phase there (``training/curves.py``)."""
+    has. Training to a plateau ends its stable phase there (``training/schedule.py``)."""
     rows = sorted((r for r in evals if "acc_0" in r and not _restored(r)), key=lambda r: r["step"])
     for i in range(min_evals - 1, len(rows)):
         if plateau(rows[: i + 1], fraction, tol)["plateaued"]:

@@ -19,8 +19,9 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..drafters.trainable import TrainableDrafter
 from ..drafters.unroll import TrainBatch, shifted
-from ..target import assets
+from ..target import Target, assets
 from .batches import collate, store_fields
 from .losses import at_rows, sample_branches, step_mask, target_probs
 
@@ -32,7 +33,7 @@ class EvalSet:
 
     @classmethod
     def build(
-        cls, store, cfg, target, n_sequences: int, batch_size: int, max_tokens: int | None = None
+        cls, store, cfg, target: Target, n_sequences: int, batch_size: int, max_tokens: int | None = None
     ) -> EvalSet:
         """The first ``n_sequences`` sequences of ``store``; the target's argmax is cached on disk."""
         n = min(n_sequences, len(store))
@@ -51,7 +52,7 @@ class EvalSet:
         return cls(batches, tops)
 
 
-def greedy_targets(store, target, n: int) -> list[torch.Tensor]:
+def greedy_targets(store, target: Target, n: int) -> list[torch.Tensor]:
     key = json.dumps([store.manifest.get("content_hash"), str(store.path), n, target.info.fingerprint])
     path = (
         assets.cache_dir()
@@ -75,7 +76,7 @@ def greedy_targets(store, target, n: int) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def evaluate_per_step(
-    drafter, evals: EvalSet, n_steps: int, accelerator=None, branch_fraction: float = 1.0
+    drafter: TrainableDrafter, evals: EvalSet, n_steps: int, accelerator=None, branch_fraction: float = 1.0
 ) -> dict:
     """``acc_k`` (vs the target's full-vocabulary argmax), ``ce_k`` and ``n_k`` for k < n_steps, and ``ceiling``.
 
@@ -124,7 +125,7 @@ def _on(x, dev):
     return None if x is None else x.to(dev)
 
 
-def gate_summary(drafter) -> dict:
+def gate_summary(drafter: TrainableDrafter) -> dict:
     """Mean, spread and quantiles of the hybrid gate's last values (empty for other drafters)."""
     if not hasattr(drafter, "gate_values"):
         return {}

@@ -20,7 +20,9 @@ from dataclasses import replace
 import pandas as pd
 import torch
 
+from ..drafters.trainable import TrainableDrafter
 from ..drafters.unroll import TrainBatch
+from ..target import Target
 from .data import is_tokenized_split
 from .heldout import EvalSet, evaluate_per_step
 from .online import online_eval_set
@@ -73,7 +75,7 @@ def zero_target_kv(batch: TrainBatch) -> TrainBatch:
     return replace(batch, keys=torch.zeros_like(batch.keys), values=torch.zeros_like(batch.values))
 
 
-def reads_target_kv(drafter) -> bool:
+def reads_target_kv(drafter: TrainableDrafter) -> bool:
     return bool(getattr(drafter.cfg, "uses_target_kv", False))
 
 
@@ -81,7 +83,7 @@ def reads_target_kv(drafter) -> bool:
 def kv_ablation_table(
     results,
     eval_store,
-    target,
+    target: Target,
     n_steps: int,
     n_sequences: int,
     batch_size: int,

@@ -9,7 +9,9 @@ training loss, the per-step held-out accuracy and the gradient probes, and write
 * ``state/``: the resumable state while training runs (removed when it finishes).
 
 Calling it again with the same config returns the finished run from disk; after an interruption it resumes.
-The objectives are in :mod:`kvshot_lib.training.losses`, the probes in :mod:`kvshot_lib.training.grad_probes`.
+The data comes from :func:`~.data.data_source` (feature stores or online), the learning rate from
+:mod:`.schedule`, when to stop from :class:`~.convergence.Stopping`; the objectives are in :mod:`.losses`, the
+probes in :mod:`.grad_probes`.
 
 The loop uses ``accelerate``'s :class:`Accelerator`, so the same code runs on one CPU, one GPU, or several
 GPUs under ``accelerate launch -m kvshot_lib.cli train ...`` (data-parallel; see README).
@@ -17,6 +19,7 @@ GPUs under ``accelerate launch -m kvshot_lib.cli train ...`` (data-parallel; see
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import time
@@ -31,33 +34,25 @@ from tqdm.auto import tqdm
 
 from ..drafters import build_drafter, drafter_config_for, init_attention_from_target, load_drafter
 from ..drafters.checkpoint import CONFIG_FILE, save_drafter
+from ..drafters.trainable import TrainableDrafter
 from ..drafters.vocab import count_tokens, draft_vocab_from_counts
+from ..target import Target
 from ..target.precision import autocast, machine_record, resolve_precision
-from .batches import StoreBatches
 from .config import TrainConfig
-from .convergence import EarlyStopping, plateau, plateau_step
-from .curves import Snapshot, curve_steps, decay_length, decay_start, linear_decay, lr_factor, run_end
-from .data import check_data, describe_data, init_from_checkpoint
-from .grad_probes import GradProbe, grouped_parameters
+from .convergence import EarlyStopping, Stopping, plateau
+from .data import data_source, describe_data, init_from_checkpoint
+from .grad_probes import PROBE_TABLES, GradProbe, grouped_parameters
 from .heldout import EvalSet, evaluate_per_step, gate_summary
 from .losses import branch_valid, regime_loss, sample_anchors, sample_branches, step_mask
-from .online import OnlineBatches, online_eval_set
+from .schedule import curve_steps, decay_length, decay_start, linear_decay, lr_factor
 from .state import STATE_DIR, load_train_state, read_train_state, save_train_state
 
-LOG_TABLES = (
-    "history",
-    "eval",
-    "curve",
-    "grad_probes",
-    "kv_positions",
-    "attention_mass",
-    "kv_position_samples",
-)
+LOG_TABLES = ("history", "eval", "curve", *PROBE_TABLES)
 
 
 @dataclass
 class TrainResult:
-    drafter: nn.Module
+    drafter: TrainableDrafter
     out_dir: Path
     config: TrainConfig
     logs: dict = field(default_factory=dict)  # table name -> list of row dicts
@@ -74,7 +69,7 @@ class Objective(nn.Module):
     """The drafter plus its regime's loss, so that ``accelerate``/DDP sees one forward. It runs under
     ``precision`` (a resolved one: ``"no"`` = float32, ``"bf16"``: autocast, see target/precision.py)."""
 
-    def __init__(self, drafter: nn.Module, cfg: TrainConfig, precision: str = "no"):
+    def __init__(self, drafter: TrainableDrafter, cfg: TrainConfig, precision: str = "no"):
         super().__init__()
         self.drafter, self.cfg, self.precision = drafter, cfg, precision
 
@@ -89,7 +84,7 @@ class Objective(nn.Module):
             )
 
 
-def build_draft_vocab(store, target, size: int) -> torch.Tensor:
+def build_draft_vocab(store, target: Target, size: int) -> torch.Tensor:
     """The draft vocabulary (``d2t``) of a training store: its ``size`` most frequent assistant tokens."""
     counts = count_tokens(store, target.info.vocab_size)
     return draft_vocab_from_counts(counts, size, always=tuple(target.info.eos_token_ids))
@@ -107,7 +102,7 @@ def make_accelerator(cfg: TrainConfig, device: str):
     return Accelerator(cpu=str(device) == "cpu", mixed_precision=mp, kwargs_handlers=[ddp])
 
 
-def build_optimizer(drafter: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(drafter: TrainableDrafter, cfg: TrainConfig) -> torch.optim.Optimizer:
     groups = []
     for group, params in sorted(grouped_parameters(drafter).items()):
         lr = cfg.lr * cfg.lr_scale.get(group, 1.0)
@@ -141,7 +136,7 @@ def read_logs(out_dir: str | Path) -> dict:
 
 
 def train_drafter(
-    target,
+    target: Target,
     train_store,
     eval_store,
     config: TrainConfig | dict,
@@ -160,26 +155,21 @@ def train_drafter(
         drafter = load_drafter(out, target)
         extra = drafter.cfg.extra
         return TrainResult(drafter, out, cfg, read_logs(out), extra.get("train_seconds", 0.0))
-    check_data(cfg, train_store, eval_store)
+    data = data_source(cfg, target, train_store, eval_store)
+    data.check()
     drafter = new_drafter(target, train_store, eval_store, cfg, d2t)
     acc = accelerator or make_accelerator(cfg, target.info.device)
     optimizer = build_optimizer(drafter, cfg)
-    stopper = EarlyStopping(cfg.early_stop_patience, cfg.early_stop_metric)
-    start, logs, seconds = _resume_point(out, cfg, drafter, optimizer, stopper, resume)
+    stopping = Stopping(cfg)
+    start, logs, seconds = _resume_point(out, cfg, drafter, optimizer, stopping.early, resume)
     for group in optimizer.param_groups:
         group.setdefault("base_lr", group["lr"])
     objective, optimizer = acc.prepare(Objective(drafter, cfg, precision), optimizer)
-    source = OnlineBatches if cfg.data_source == "online" else StoreBatches
-    args = (drafter.cfg, cfg.batch_size, cfg.seed, acc.process_index, acc.num_processes, cfg.max_tokens)
-    loader = source(target, train_store, *args) if cfg.data_source == "online" else source(train_store, *args)
-    build = online_eval_set if cfg.data_source == "online" else EvalSet.build
-    evals = eval_set or build(
-        eval_store, drafter.cfg, target, cfg.eval_sequences, cfg.batch_size, cfg.max_tokens
-    )
-    stop_reason = ""
+    ctx = StepContext(drafter, objective, optimizer, acc, cfg)
+    loader = data.loader(drafter.cfg, acc.process_index, acc.num_processes)
+    evals = eval_set or data.eval_set(drafter.cfg)
     budgets = curve_steps(cfg.train_steps, cfg.curve_points)
-    decay_from = plateau_step(logs["eval"], cfg.plateau_stop) if cfg.plateau_stop else None  # on resume too
-    end = run_end(cfg, decay_from)
+    stopping.follow_plateau(logs["eval"])  # a resumed run's decision so far
 
     def evaluate(step: int) -> dict:
         drafter.eval()
@@ -196,20 +186,17 @@ def train_drafter(
     t_start = time.perf_counter() - seconds
     for step in range(start, cfg.train_steps):
         batch = loader.batch(step).to(acc.device)
-        factor = lr_factor(cfg, step, decay_from)
-        row, acc0 = _train_step(drafter, objective, optimizer, acc, cfg, batch, step, logs, t_start, factor)
+        end, decay_from = stopping.end, stopping.decay_from
+        row, acc0 = _train_step(ctx, batch, step, logs, t_start, lr_factor(cfg, step, decay_from))
         row["epoch"] = loader.epoch_of(step + 1)
         logs["history"].append(row)
         stable = decay_from is None or step + 1 <= decay_from
-        if step + 1 in budgets and step + 1 < end and stable:  # a learning-curve point (training/curves.py)
+        if step + 1 in budgets and step + 1 < end and stable:  # a learning-curve point (training/schedule.py)
             seen = sum(r["tokens"] for r in logs["history"])
-            logs["curve"].append(
-                _decay_branch(drafter, objective, optimizer, acc, cfg, loader, step, evaluate, seen)
-            )
+            logs["curve"].append(_decay_branch(ctx, loader, step, evaluate, seen))
         bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc0:.2f}")
         bar.update()
-        out_of_time = _out_of_time(cfg, t_start, acc)
-        last = step == end - 1 or out_of_time
+        last = stopping.is_last(step, t_start, acc)
         if (cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last or step == 0)) or (budgets and last):
             ev = evaluate(step + 1)
             logs["eval"].append(ev)
@@ -217,55 +204,29 @@ def train_drafter(
                 tokens = sum(r["tokens"] for r in logs["history"])
                 branch = end - decay_start(cfg, decay_from)
                 logs["curve"].append(dict(ev, budget_step=step + 1, branch_steps=branch, tokens=tokens))
-            if cfg.plateau_stop and decay_from is None and not last:
-                decay_from = plateau_step(logs["eval"], cfg.plateau_stop)
-                end = run_end(cfg, decay_from)
-            if stopper.update(step + 1, ev, drafter) and not last:
-                last, stop_reason = (
-                    True,
-                    f"no better held-out {cfg.early_stop_metric} in {cfg.early_stop_patience} evaluations",
-                )
-        if out_of_time and not stop_reason:
-            stop_reason = f"max_seconds={cfg.max_seconds} reached"
-        if last and decay_from is not None and not stop_reason:
-            stop_reason = f"plateau: held-out acc_0 moved < {cfg.plateau_stop} over the last quarter by step {decay_from}"
+            last = stopping.evaluated(logs["eval"], drafter, last)
         if last:
             break
         if acc.is_main_process and cfg.save_every and (step + 1) % cfg.save_every == 0:
             seconds = time.perf_counter() - t_start
             state_logs = {**logs, "_seconds": seconds}
-            save_train_state(out, drafter, optimizer, step + 1, cfg.as_dict(), state_logs, stopper)
+            save_train_state(out, drafter, optimizer, step + 1, cfg.as_dict(), state_logs, stopping.early)
         acc.wait_for_everyone()
     bar.close()
     seconds = time.perf_counter() - t_start
     drafter.eval()
-    stopping = dict(
-        stopped_early=bool(stop_reason), stop_reason=stop_reason, best_step=stopper.best_step or None
-    )
-    if cfg.early_stop_patience and stopper.best_step != logs["eval"][-1]["step"] and stopper.restore(drafter):
-        logs["eval"].append(
-            dict(stopper.best_eval, step=len(logs["history"]), restored_from_step=stopper.best_step)
-        )
+    record = stopping.finish(drafter, logs["eval"], len(logs["history"]))
     if acc.is_main_process:
         final = acc.unwrap_model(objective).drafter
-        _save_finished(out, final, cfg, logs, seconds, train_store, eval_store, stopping, precision)
+        _save_finished(out, final, cfg, logs, seconds, data, record, precision)
     acc.wait_for_everyone()
     return TrainResult(drafter, out, cfg, logs, seconds)
 
 
-def _out_of_time(cfg: TrainConfig, t_start: float, acc) -> bool:
-    """Whether the wall-clock cap is reached; every process takes the same decision (DDP)."""
-    if cfg.max_seconds is None:
-        return False
-    late = time.perf_counter() - t_start > cfg.max_seconds
-    if acc.num_processes > 1:
-        late = bool(acc.reduce(torch.tensor([float(late)], device=acc.device), "max").item())
-    return late
-
-
-def new_drafter(target, train_store, eval_store, cfg: TrainConfig, d2t: torch.Tensor | None) -> nn.Module:
+def new_drafter(
+    target: Target, train_store, eval_store, cfg: TrainConfig, d2t: torch.Tensor | None
+) -> TrainableDrafter:
     """A freshly initialized drafter for ``cfg``, after checking that both feature stores fit it."""
-    info = target.info
     dcfg = drafter_config_for(
         target,
         cfg.paradigm,
@@ -285,13 +246,7 @@ def new_drafter(target, train_store, eval_store, cfg: TrainConfig, d2t: torch.Te
         fc_norm=cfg.fc_norm,
         norm_output=cfg.norm_output,
     )
-    for store, what in ((train_store, "training"), (eval_store, "held-out")):
-        if cfg.data_source == "online":
-            continue  # the target computes the features itself
-        try:
-            store.check_compatible(info.name, info.fingerprint, dcfg.hidden_layers, dcfg.kv_layers)
-        except ValueError as e:
-            raise ValueError(f"The {what} feature store does not fit drafter {cfg.name!r}: {e}") from None
+    data_source(cfg, target, train_store, eval_store).check_compatible(dcfg)
     d2t = build_draft_vocab(train_store, target, dcfg.draft_vocab_size) if d2t is None else d2t
     drafter = build_drafter(dcfg, target, d2t.cpu(), seed=cfg.seed)
     if cfg.init_from == "target":  # the KV drafter's attention from the target layers it reads
@@ -302,7 +257,7 @@ def new_drafter(target, train_store, eval_store, cfg: TrainConfig, d2t: torch.Te
 
 
 def _resume_point(
-    out: Path, cfg: TrainConfig, drafter, optimizer, stopper: EarlyStopping, resume: bool
+    out: Path, cfg: TrainConfig, drafter: TrainableDrafter, optimizer, stopper: EarlyStopping, resume: bool
 ) -> tuple[int, dict, float]:
     """(first step, logs so far, seconds so far): from the saved state of the same config, or a fresh start.
     The drafter, the optimizer and the early-stopping state are restored in place."""
@@ -314,21 +269,24 @@ def _resume_point(
     return meta["step"], logs, logs.pop("_seconds", 0.0)
 
 
+@dataclass
+class StepContext:
+    """What an optimizer step works with: the drafter, its :class:`Objective` and optimizer (both prepared by
+    ``accelerate``), the accelerator and the config."""
+
+    drafter: TrainableDrafter
+    objective: nn.Module
+    optimizer: torch.optim.Optimizer
+    acc: object
+    cfg: TrainConfig
+
+
 def _train_step(
-    drafter,
-    objective,
-    optimizer,
-    acc,
-    cfg: TrainConfig,
-    batch,
-    step: int,
-    logs: dict,
-    t_start: float,
-    factor: float,
-    branch: bool = False,
+    ctx: StepContext, batch, step: int, logs: dict, t_start: float, factor: float, branch: bool = False
 ):
     """One optimizer step at learning-rate multiplier ``factor`` (with the gradient probe on probing steps; a
     decay ``branch`` never probes); returns its history row and acc_0."""
+    drafter, optimizer, acc, cfg = ctx.drafter, ctx.optimizer, ctx.acc, ctx.cfg
     base = dict(drafter=cfg.name, paradigm=cfg.paradigm, regime=cfg.regime)
     last = step == cfg.train_steps - 1
     probing = not branch and cfg.probe_every > 0 and (step % cfg.probe_every == 0 or last)
@@ -344,7 +302,7 @@ def _train_step(
         probe = GradProbe(drafter, branch_valid(batch), cfg.probe_rel_threshold, samples, branches)
     drafter.train()
     with probe or nullcontext():
-        loss, parts = objective(batch, probe, branches)
+        loss, parts = ctx.objective(batch, probe, branches)
         acc.backward(loss)
     if probe is not None:
         _log_probe(logs, probe, step, base)
@@ -375,34 +333,28 @@ def _train_step(
     return row, parts["acc"][0]
 
 
-def _decay_branch(drafter, objective, optimizer, acc, cfg, loader, step: int, evaluate, seen: int) -> dict:
+def _decay_branch(ctx: StepContext, loader, step: int, evaluate, seen: int) -> dict:
     """A learning-curve point after ``step + 1`` steps: from a copy, ``decay_fraction`` of them more on the next
     batches with the learning rate decaying linearly to ``min_lr_ratio``, a held-out evaluation, and back."""
-    snap = Snapshot(drafter, optimizer)
+    drafter, optimizer, cfg = ctx.drafter, ctx.optimizer, ctx.cfg
+    params = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+    optim = copy.deepcopy(optimizer.state_dict())
     length = decay_length(step + 1, cfg.decay_fraction)
     start = lr_factor(cfg, step + 1)
     for i in range(length):
-        batch = loader.batch(step + 1 + i).to(acc.device)
+        batch = loader.batch(step + 1 + i).to(ctx.acc.device)
         factor = linear_decay(cfg, i, length, start)
-        row, _ = _train_step(
-            drafter, objective, optimizer, acc, cfg, batch, step + 1 + i, {}, 0.0, factor, True
-        )
+        row, _ = _train_step(ctx, batch, step + 1 + i, {}, 0.0, factor, True)
         seen += row["tokens"]
     ev = evaluate(step + 1 + length)
-    snap.restore(drafter, optimizer)
+    with torch.no_grad():
+        drafter.load_state_dict(params, strict=True)
+    optimizer.load_state_dict(optim)
     return dict(ev, budget_step=step + 1, branch_steps=length, tokens=seen)
 
 
 def _save_finished(
-    out: Path,
-    drafter,
-    cfg: TrainConfig,
-    logs: dict,
-    seconds: float,
-    train_store,
-    eval_store,
-    stopping: dict,
-    precision: str,
+    out: Path, drafter: TrainableDrafter, cfg: TrainConfig, logs, seconds: float, data, stopping, precision
 ):
     """Write the checkpoint (with the training metadata in its config) and the log tables; drop the state."""
     n_tokens = sum(r["tokens"] for r in logs["history"])
@@ -414,8 +366,8 @@ def _save_finished(
         train_tokens=n_tokens,
         tokens_per_second=n_tokens / max(seconds, 1e-9),
         steps_trained=len(logs["history"]),
-        train_store=describe_data(train_store),
-        eval_store=describe_data(eval_store),
+        train_store=describe_data(data.train),
+        eval_store=describe_data(data.held),
         final_eval=logs["eval"][-1] if logs["eval"] else {},
         machine=machine_record(precision, drafter.head.device, cfg.mixed_precision),  # + auto's timings
         plateau=plateau(logs["eval"]),

@@ -37,8 +37,8 @@ import math
 import torch
 from torch import Tensor
 
-from ..drafters.common import Unrolled
-from ..drafters.unroll import TrainBatch, shifted
+from ..drafters.trainable import TrainableDrafter
+from ..drafters.unroll import TrainBatch, Unrolled, shifted
 
 
 def target_probs(final_hidden: Tensor, head: Tensor) -> Tensor:
@@ -105,7 +105,7 @@ def at_rows(x: Tensor, rows: Tensor | None) -> Tensor:
     return x[torch.arange(x.shape[0], device=x.device)[:, None], rows]  # [B, M, ...]
 
 
-def _kv_align(drafter, un: Unrolled, batch: TrainBatch) -> Tensor:
+def _kv_align(drafter: TrainableDrafter, un: Unrolled, batch: TrainBatch) -> Tensor:
     """Relative MSE of the drafter's own K/V at every unrolled position against that position's reference."""
     terms = []
     N = batch.ids.shape[1] - 1
@@ -138,7 +138,7 @@ def _feature_regression(un: Unrolled, batch: TrainBatch) -> Tensor:
 
 
 def regime_loss(
-    drafter,
+    drafter: TrainableDrafter,
     batch: TrainBatch,
     un: Unrolled,
     regime: str,

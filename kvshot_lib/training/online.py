@@ -22,12 +22,14 @@ import torch
 from torch import Tensor
 
 from ..drafters.unroll import TrainBatch
+from ..target import Target
 from ..target.forward import sequence_features
 from .batches import BatchOrder
+from .heldout import EvalSet
 
 
 @torch.no_grad()
-def target_batch(target, seqs: list[tuple[Tensor, Tensor]], cfg) -> TrainBatch:
+def target_batch(target: Target, seqs: list[tuple[Tensor, Tensor]], cfg) -> TrainBatch:
     """A padded :class:`TrainBatch` of ``[(ids [T], loss_mask [T]), ...]`` computed by ``target`` in one forward.
 
     Features are float32 on the target's device; positions past a sequence's length are zero."""
@@ -71,7 +73,7 @@ class OnlineBatches(BatchOrder):
 
     def __init__(
         self,
-        target,
+        target: Target,
         split,
         cfg,
         batch_size: int,
@@ -91,10 +93,10 @@ class OnlineBatches(BatchOrder):
 
 
 @torch.no_grad()
-def online_eval_set(split, cfg, target, n_sequences: int, batch_size: int, max_tokens: int | None = None):
+def online_eval_set(
+    split, cfg, target: Target, n_sequences: int, batch_size: int, max_tokens: int | None = None
+) -> EvalSet:
     """The held-out :class:`EvalSet` of the first ``n_sequences`` of ``split``, computed by the target (on CPU)."""
-    from .heldout import EvalSet
-
     head = target.model.lm_head.weight.detach()
     batches, tops = [], []
     n = min(n_sequences, len(split))

@@ -19,11 +19,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..drafters.trainable import TrainableDrafter
+
 STATE_DIR = "state"
 
 
 def save_train_state(
-    out_dir: Path, drafter, optimizer, step: int, config: dict, logs: dict, early_stopping=None
+    out_dir: Path,
+    drafter: TrainableDrafter,
+    optimizer,
+    step: int,
+    config: dict,
+    logs: dict,
+    early_stopping=None,
 ) -> Path:
     """Write the resumable state of a run that has finished ``step`` steps (``early_stopping``: the
     :class:`~.convergence.EarlyStopping` of the run, whose best parameters and counters are kept too)."""
@@ -66,7 +74,7 @@ def read_train_state(out_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def load_train_state(out_dir: Path, drafter, optimizer, early_stopping=None) -> dict:
+def load_train_state(out_dir: Path, drafter: TrainableDrafter, optimizer, early_stopping=None) -> dict:
     """Restore the drafter, the optimizer and ``early_stopping`` in place (strict); returns the trainer
     metadata."""
     state_dir = Path(out_dir) / STATE_DIR

@@ -1,7 +1,7 @@
 """Learning-curve points of reference rows that are still training (or were stopped), beside finished rows.
 
 A row of the reference run logs an annealed learning-curve point at each budget of its plan (cap/32, cap/16,
-...; WSD decay branches, ``training/curves.py``). The data order and the stable-phase learning rate are
+...; WSD decay branches, ``training/schedule.py``). The data order and the stable-phase learning rate are
 functions of the step, so the points a row has logged when it is stopped are the points the full row would
 log at those budgets. This reads them from the row's saved state (``runs/<run>/drafters/<row>/state/``),
 tables them like notebook 02 (:func:`~kvshot_lib.evaluation.curve_table`), and compares them at equal budgets

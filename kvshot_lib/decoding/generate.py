@@ -6,16 +6,19 @@ imports both; neither imports it.
 
 from __future__ import annotations
 
-from .cycle import DecodeConfig, GenerationResult, Prefill
+from ..drafters.base import SessionFactory
+from ..target import Target
+from .config import DecodeConfig, GenerationResult
+from .cycle import Prefill
 from .engine import autoregressive_generate, speculative_generate
 from .specpv import SpecPVConfig, specpv_generate
 
 
 def generate(
-    target,
+    target: Target,
     prompt_ids,
     cfg: DecodeConfig,
-    drafter=None,
+    drafter: SessionFactory | None = None,
     partial: SpecPVConfig | None = None,
     prefill: Prefill | None = None,
 ) -> GenerationResult:

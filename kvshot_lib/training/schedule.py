@@ -1,12 +1,12 @@
-"""The learning rate schedule, and learning curves inside one run: warmup-stable-decay with decay branches.
+"""The learning-rate schedule: cosine, or warmup-stable-decay with decay branches for in-run learning curves.
 
 A held-out point in the middle of a cosine schedule measures a drafter whose learning rate is still high,
 not what that budget can train. So the learning-curve runs use **warmup-stable-decay** (WSD,
 ``schedule: wsd``): a linear warmup, a constant learning rate, and a linear decay to ``lr * min_lr_ratio``
 over the last ``decay_fraction`` of the steps. At each of ``curve_points`` log-spaced budgets before the end
-(:func:`curve_steps`: ``train_steps / 2^j``), the loop runs a short **decay branch**: from a copy of the
-drafter and its optimizer it takes ``decay_fraction`` of that budget's steps more, on the batches that come
-next, with the learning rate decaying the same way, evaluates the held-out slice, and puts the copy back.
+(:func:`curve_steps`: ``train_steps / 2^j``), the loop runs a short **decay branch** (``loop.py``): from a
+copy of the drafter and its optimizer it takes ``decay_fraction`` of that budget's steps more, on the batches
+that come next, with the learning rate decaying the same way, evaluates the held-out slice, and goes back.
 Each curve point is thus an annealed drafter trained for that budget, as a separate run would give,
 for about ``decay_fraction * (1/2 + 1/4 + ...)`` ≈ 10% more compute. The last point is the run's own end.
 
@@ -14,7 +14,7 @@ for about ``decay_fraction * (1/2 + 1/4 + ...)`` ≈ 10% more compute. The last 
 At each held-out evaluation of the stable phase, if acc_0 moved by less than ``plateau_stop`` over the last
 quarter of the steps (:func:`~.convergence.plateau_step`), the stable phase ends there and the run ends after
 its WSD decay (:func:`run_end`). The decision is a function of the evaluation log, so a resumed run takes it
-at the same step without any state of its own.
+at the same step without any state of its own (:class:`~.convergence.Stopping`).
 
 ``tests/test_learning_curves.py`` checks that the main run is the same with and without branches, and
 that a branch's point equals a separate run of ``b + d`` steps whose own final decay is those ``d`` steps.
@@ -22,10 +22,7 @@ that a branch's point equals a separate run of ``b + d`` steps whose own final d
 
 from __future__ import annotations
 
-import copy
 import math
-
-import torch
 
 SCHEDULES = ("cosine", "wsd")
 
@@ -73,16 +70,3 @@ def curve_steps(train_steps: int, n_points: int) -> list[int]:
     """The budgets, in optimizer steps, of a learning curve of ``n_points`` log-spaced points ending at
     ``train_steps`` (``[T/16, T/8, T/4, T/2, T]`` for 5); empty when ``n_points`` is 0."""
     return sorted({max(1, round(train_steps / 2**j)) for j in range(n_points)})
-
-
-class Snapshot:
-    """A copy of the drafter's parameters and the optimizer's state, to branch off and come back."""
-
-    def __init__(self, drafter, optimizer):
-        self.params = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
-        self.optim = copy.deepcopy(optimizer.state_dict())
-
-    def restore(self, drafter, optimizer) -> None:
-        with torch.no_grad():
-            drafter.load_state_dict(self.params, strict=True)
-        optimizer.load_state_dict(self.optim)

@@ -1,4 +1,4 @@
-"""What every trainable drafter (``config.PARADIGMS``) shares: the frozen target embedding and LM head, RoPE, the unroll.
+"""The base class of every trainable drafter (``config.PARADIGMS``): the frozen target embedding and LM head, RoPE.
 
 A :class:`TrainableDrafter` is an ``nn.Module`` *and* a :class:`~kvshot_lib.drafters.base.SessionFactory`.
 
@@ -9,28 +9,28 @@ A :class:`TrainableDrafter` is an ``nn.Module`` *and* a :class:`~kvshot_lib.draf
 * ``state_dict()`` holds exactly the trainable parameters plus two buffers: ``d2t`` (the draft vocabulary)
   and ``target_probe`` (a 64 x 16 sample of the target's embedding, to catch a same-architecture target
   with other weights). Loading is strict.
-* ``forward(batch, n_steps)`` unrolls the drafter ``n_steps`` times over a :class:`TrainBatch` (see
-  ``unroll.py`` for the index convention) and returns every step's output hidden state.
+* ``forward(batch, n_steps)`` is :func:`~.unroll.unroll`: ``n_steps`` draft steps over a
+  :class:`~.unroll.TrainBatch` (the index convention is ``unroll.py``'s), every step's output hidden state.
 
-Subclasses (``hidden.py``, ``kv.py``, ``hybrid.py``, ``cross.py``, ``no_target.py``) define ``layers`` and, as needed, ``fuse`` (the fc of
-the target's hidden states) and ``injectors`` (how the target's KV enters the drafter's attention).
+Subclasses (``hidden.py``, ``kv.py``, ``hybrid.py``, ``cross.py``, ``no_target.py``, ``block.py``) define ``layers``
+and, as needed, ``fuse`` (the fc of the target's hidden states) and injectors (how the target's KV enters).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 
+from ..target import Target
 from .attention import RMSNorm
+from .base import DraftSession
 from .config import DrafterConfig
-from .unroll import TrainBatch, UnrollContext, shifted
+from .unroll import unroll
 
 N_PROBE_ROWS, N_PROBE_DIMS = 64, 16
 
 
-def target_probe(target) -> Tensor:
+def target_probe(target: Target) -> Tensor:
     """A small fixed sample of the target's input embedding, in float32: ``[64, 16]``."""
     w = target.model.model.embed_tokens.weight
     rows = torch.linspace(0, w.shape[0] - 1, N_PROBE_ROWS).long().to(w.device)
@@ -45,19 +45,10 @@ class _Frozen:
         self.rotary = rotary
 
 
-@dataclass
-class Unrolled:
-    outs: list[Tensor]  # per step: [B, N, H] output hidden state (before the final norm)
-    ctx: UnrollContext
-    fused: Tensor | None  # [B, N, H] fc(target features) at step 0 (hidden, hybrid)
-    injected: dict[int, tuple[Tensor, Tensor]]  # layer -> injected target (K, V), each [B, kvH, T, D]
-    rows: list[Tensor | None]  # per step: the branch indices it ran ([M]), None = all N
-
-
 class TrainableDrafter(nn.Module):
     layers: nn.ModuleList
 
-    def __init__(self, cfg: DrafterConfig, target, d2t: Tensor):
+    def __init__(self, cfg: DrafterConfig, target: Target, d2t: Tensor):
         super().__init__()
         cfg.check_target(target.info, where=f"the {cfg.paradigm} drafter config")
         if d2t.numel() != cfg.draft_vocab_size:
@@ -137,65 +128,11 @@ class TrainableDrafter(nn.Module):
             x = layer(x, emb, cos, sin, ctx, li)
         return x
 
-    # -------------------------------------------------------------------------------------------- training
-
-    def forward(
-        self,
-        batch: TrainBatch,
-        n_steps: int,
-        detach_chain: bool = False,
-        recorder=None,
-        branches: Tensor | None = None,
-    ) -> Unrolled:
-        """Unroll ``n_steps`` draft steps over the batch's branches at once (EAGLE-3's TTT layout).
-
-        Step 0 runs every branch (it also builds the hidden/hybrid drafters' own context cache). Steps
-        ``>= 1`` run the branches ``branches [M]`` (sorted indices; ``None`` = all, which is EAGLE-3): a
-        random subset estimates the full loss for a fraction of the cost (each kept branch is exact; the
-        loss averaged over kept positions is a ratio estimator, close to but not exactly unbiased).
-        """
-        B, T = batch.ids.shape
-        N = T - 1
-        dev = self.head.device
-        injected = {}
-        if self.cfg.uses_target_kv:
-            dt = self.compute_dtype()
-            injected = self.inject(batch.keys.to(dt), batch.values.to(dt), torch.arange(T, device=dev))
-        ctx = UnrollContext(
-            N,
-            dev,
-            injected,
-            own_context=self.cfg.own_context,
-            target_in_self=self.paradigm == "kv",
-            recorder=recorder,
-            branches=branches,
-        )
-        pos = torch.arange(1, T, device=dev)  # index i -> position i+1  [N]
-        fused = (
-            self.fuse(batch.hidden[:, :N].to(self.compute_dtype())) if self.cfg.uses_hidden else None
-        )  # [B, N, H]
-        feat, outs, rows = fused, [], []
-        for k in range(n_steps):
-            sel = None if k == 0 else branches
-            ctx.step = k
-            ids = shifted(batch.ids, 1 + k, N)  # x_{i+1+k}  [B, N]
-            p = pos + k
-            if sel is not None:
-                ids, p = ids[:, sel], p[sel]  # [B, M], [M]
-                if k == 1 and feat is not None:
-                    feat = feat[:, sel]  # [B, M, H]
-            emb = self.embed(ids)  # [B, n, H]
-            cos, sin = self.rope(p)
-            h = self.run_layers(feat if self.cfg.uses_hidden else emb, emb, cos, sin, ctx)  # [B, n, H]
-            outs.append(h)
-            rows.append(sel)
-            if self.cfg.uses_hidden:  # deeper steps reuse the drafter's own output in place of the target's
-                feat = self.feedback(h.detach() if detach_chain else h)
-        return Unrolled(outs, ctx, fused, injected, rows)
+    forward = unroll  # training: ``drafter(batch, n_steps, ...)`` unrolls it (unroll.py)
 
     # ---------------------------------------------------------------------------------------------- decode
 
-    def new_session(self):
+    def new_session(self) -> DraftSession:
         from .session import TrainedDraftSession
 
         return TrainedDraftSession(self)

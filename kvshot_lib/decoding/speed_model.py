@@ -26,8 +26,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 Q_EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97, 1.0)  # confidence bins
 MAX_DEPTH_GROUP = 3  # depths 0, 1, 2 and 3+ are calibrated apart
 PRIOR_WEIGHT = 2.0  # pseudo-observations at the bin's middle confidence
@@ -170,8 +168,3 @@ class SpeedModel:
 
     def expand_s(self, n: int) -> float:
         return self.cost.expand(self.drafter, n)
-
-
-def confidence(logits: torch.Tensor, token: int) -> float:
-    """The drafter's probability of ``token`` under ``logits [V_draft]`` (softmax at temperature 1)."""
-    return float(torch.softmax(logits.float(), -1)[token])
