@@ -425,8 +425,13 @@ def main(argv: list[str]) -> int:
     bad = 0
     if not args.no_baseline:
         new, was, _ = check(None, old)
-        broken = [i for i, o in {**new, **was}.items() if o != "passed"]
+        broken = [i for i, o in new.items() if o != "passed"]
         print("without mutants: " + ("every test passes" if not broken else f"NOT PASSING: {broken}"))
+        stale = [i for i, o in was.items() if o != "passed"]  # written for the library before issue 21
+        if stale:
+            print(
+                f"  (old tests that fail on today's library without any mutant, so 'old: failed' says nothing: {stale})"
+            )
         bad += len(broken)
     for m in chosen:
         new, was, error = check(m, old)
