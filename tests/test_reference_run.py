@@ -190,3 +190,35 @@ def test_significant_rounds_float_columns_once():
     assert got["loss"].tolist() == [150.12, 1e-05] and got["acc"].tolist() == [0.0030864, 0.0]
     assert got["step"].tolist() == [1, 2] and got["step"].dtype == df["step"].dtype  # integers untouched
     pd.testing.assert_frame_equal(tables.significant(got, 5), got)  # rounding again changes nothing
+
+
+def test_the_onpolicy_rows_are_measured_beside_the_reference_runs_checkpoints(tiny_llama, tmp_path):
+    """The on-policy eval loads checkpoints/reference/<row> as <row>@reference and pairs each row with it."""
+    from conftest import trained_like
+
+    from kvshot_lib.drafters import save_drafter
+    from kvshot_lib.reference import run as reference_run
+
+    plan = load_plan("onpolicy", smoke=True)
+    pairs = plan.baseline_pairs()
+    assert ("hidden31-ttt", "hidden-ttt@reference-smoke") in pairs and (
+        "kv-ttt",
+        "kv-ttt@reference-smoke",
+    ) in pairs
+    assert {row for row, _ in pairs} <= set(plan.rows)
+    save_drafter(
+        trained_like(tiny_llama, "hidden"), tmp_path / "runs" / "onpolicy-smoke" / "drafters" / "hidden-ttt"
+    )
+    save_drafter(
+        trained_like(tiny_llama, "hidden"), tmp_path / "checkpoints" / "reference-smoke" / "hidden-ttt"
+    )
+    drafters, missing = reference_run.evaluated_drafters(plan, tiny_llama, None, tmp_path)
+    assert set(drafters) == {"hidden-ttt", "hidden-ttt@reference-smoke", "ngram"}  # kv-ttt@... is not there
+    assert "kv-ttt" in missing and "hidden-ttt" not in missing
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "parameters: {target: tiny-llama}\nreference:\n  data: {responses: original}\n  training: {}\n"
+        "  rows: [{name: a, paradigm: hidden, regime: ttt}]\n  baseline: {run: reference, rows: {b: a}}\n"
+    )
+    with pytest.raises(PlanError, match="baseline must be"):
+        load_plan(str(bad))

@@ -66,6 +66,7 @@ class Plan:
     comparisons: list = field(
         default_factory=list
     )  # [(drafter, minus)]: gaps by budget beside the standard ones
+    baseline: dict = field(default_factory=dict)  # {run, rows: {row: its row in that run}} (on MT-bench)
 
     @property
     def run_name(self) -> str:
@@ -87,6 +88,14 @@ class Plan:
     def eval_rows(self) -> list[str]:
         """The rows measured on MT-bench: ``eval.rows``, else every row."""
         return list(self.eval.get("rows") or self.rows)
+
+    def baseline_pairs(self) -> list[tuple[str, str]]:
+        """``[(row, "<its row>@<run>")]``: each row beside the committed checkpoint of the same paradigm in the
+        ``baseline`` run (the on-policy rows beside the reference run's), compared on the same MT-bench turns."""
+        if not self.baseline:
+            return []
+        run = self.baseline["run"] + ("-smoke" if self.smoke else "")
+        return [(row, f"{base}@{run}") for row, base in self.baseline["rows"].items()]
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -125,6 +134,13 @@ def load_plan(profile: str = "reference", smoke: bool = False) -> Plan:
     bad = [c for c in raw.get("comparisons") or [] if len(c) != 2 or not set(c) <= set(rows)]
     if bad:
         raise PlanError(f"comparisons must be [drafter, minus] pairs of the plan's rows; got {bad}.")
+    baseline = dict(raw.get("baseline") or {})
+    if baseline and (
+        not isinstance(baseline.get("run"), str) or not set(baseline.get("rows") or {}) <= set(rows)
+    ):
+        raise PlanError(
+            f"baseline must be {{run: <profile>, rows: {{<row of this plan>: <row there>}}}}; got {baseline}."
+        )
     ev = raw.get("eval") or {}
     unknown = [r for r in ev.get("rows") or [] if r not in rows]
     if unknown:
@@ -144,6 +160,7 @@ def load_plan(profile: str = "reference", smoke: bool = False) -> Plan:
         checkpoints=dict(raw.get("checkpoints") or {}),
         notebooks=dict(raw.get("notebooks") or {}),
         comparisons=[tuple(c) for c in raw.get("comparisons") or []],
+        baseline=baseline,
     )
 
 

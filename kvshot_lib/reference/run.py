@@ -231,8 +231,9 @@ def evaluate(
 
 
 def evaluated_drafters(plan: Plan, target, rows: list[str] | None, root: Path) -> tuple[dict, list[str]]:
-    """The drafters the eval step measures (``rows``, else the plan's eval rows that were trained) and the plan's
-    eval rows left out because they have no checkpoint (rows dropped for time)."""
+    """The drafters the eval step measures (``rows``, else the plan's eval rows that were trained; and the
+    ``baseline`` run's committed checkpoints, ``<row>@<run>``) and the plan's eval rows left out because they have
+    no checkpoint (rows dropped for time)."""
     from ..drafters import NgramDrafter, load_drafter
 
     found, missing = {}, []
@@ -243,6 +244,11 @@ def evaluated_drafters(plan: Plan, target, rows: list[str] | None, root: Path) -
             if rows:
                 raise
             missing.append(name)
+    for _, label in plan.baseline_pairs():  # another run's committed checkpoints, e.g. hidden-ttt@reference
+        row, run = label.split("@")
+        folder = Path(root) / "checkpoints" / run / row
+        if label not in found and (folder / "config.json").is_file():
+            found[label] = folder
     drafters = {name: load_drafter(path, target) for name, path in found.items()}
     drafters["ngram"] = NgramDrafter(target.info.vocab_size)
     return drafters, missing

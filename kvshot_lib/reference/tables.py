@@ -128,11 +128,12 @@ def acceptance_tables(runs, n_boot: int) -> dict[str, pd.DataFrame]:
     }
 
 
-def derived_tables(tables: dict, comparisons=()) -> dict[str, pd.DataFrame]:
+def derived_tables(tables: dict, comparisons=(), baseline_pairs=()) -> dict[str, pd.DataFrame]:
     """What the merged tables give: learning curves and their asymptotes, the gaps between rows by budget (the
     standard pairs of :func:`~kvshot_lib.evaluation.comparison_pairs` and ``comparisons``, ``[(drafter, minus)]``),
     the hybrid gate over training, MT-bench MAT differences on the same turns (each drafter minus the n-gram
-    drafter, and the same pairs), the paper's Table 5 and ours (:func:`reference_table`)."""
+    drafter, the same pairs, and ``baseline_pairs``: each row minus another run's checkpoint), the paper's Table 5
+    and ours (:func:`reference_table`)."""
     from ..evaluation import (
         asymptotes,
         comparison_pairs,
@@ -161,7 +162,8 @@ def derived_tables(tables: dict, comparisons=()) -> dict[str, pd.DataFrame]:
     gens = tables["acceptance_generations.csv"]
     if not gens.empty:  # pairs whose drafters were not both evaluated are left out
         ngram = [("drafter - n-gram", d, "ngram") for d in gens["drafter"].unique() if d != "ngram"]
-        out["mat_differences.csv"] = paired_mat_difference(gens, ngram + pairs)
+        other = [(f"{a} - {b}", a, b) for a, b in baseline_pairs]
+        out["mat_differences.csv"] = paired_mat_difference(gens, ngram + pairs + other)
     out["reference_table.csv"] = reference_table(tables)
     return out
 
@@ -228,7 +230,7 @@ def update_run(
         tables[t] = replace_rows(tables[t], df, KEYS[t])
     for t, digits in ROUNDED.items():
         tables[t] = significant(tables[t], digits)
-    tables.update(derived_tables(tables, getattr(plan, "comparisons", ())))
+    tables.update(derived_tables(tables, getattr(plan, "comparisons", ()), plan.baseline_pairs()))
     written = []
     for t, df in tables.items():
         if df.empty:
