@@ -186,6 +186,9 @@ def test_budget_note_gives_the_budgets_of_the_drafters_a_figure_shows(tmp_path):
     assert shown.startswith("8.00M token-passes per drafter over 1.06M unique tokens")
     assert shown.endswith("trained in bf16 on AMD EPYC (avx512_bf16)")
     assert budget_note(tmp_path, {"hybrid-ttt": None}) == whole  # names the table lacks: every row
+    # another run's committed checkpoints beside this run's drafters: their budget is not this run's
+    beside = budget_note(tmp_path, ["kv-ttt", "kv-ttt@reference", "hidden-ttt@reference", "ngram"])
+    assert beside == shown + "; <row>@reference: the reference run's committed checkpoints, trained there"
 
 
 def test_two_drafters_of_one_paradigm_and_regime_are_told_apart_in_the_curves():

@@ -198,10 +198,13 @@ def budget_note(results_dir, drafters=None) -> str:
     (from ``training_times.csv``, which notebook 02 writes), against the ~10^8 of published recipes. Where the
     table has ``unique_tokens`` (the reference run's), the token-passes, the unique tokens and the precision.
     ``drafters``: the names a figure shows (notebook 04 measures only the KV readers), so that its caption
-    gives their budgets, not the run's whole range; None, or names the table lacks, keep every row."""
+    gives their budgets, not the run's whole range; None, or names the table lacks, keep every row. Names
+    ``<row>@<run>`` (another run's committed checkpoints, measured beside this run's) are said apart."""
+    others = sorted({d.split("@", 1)[1] for d in drafters or () if "@" in d})
+    beside = "".join(f"; <row>@{run}: the {run} run's committed checkpoints, trained there" for run in others)
     path = Path(results_dir) / "training_times.csv"
     if not path.is_file():
-        return "drafters: none trained in this run"
+        return "drafters: none trained in this run" + beside
     times = pd.read_csv(path)
     shown = times[times["drafter"].isin(list(drafters))] if drafters is not None else times
     times = shown if len(shown) else times
@@ -216,7 +219,7 @@ def budget_note(results_dir, drafters=None) -> str:
     if "precision" in times:  # where it trained, so that an AMX number is never read as another CPU's
         where = times[["precision", "cpu", "bf16_isa"]].drop_duplicates().astype(str)
         note += "; trained in " + ", ".join(f"{p} on {c} ({i})" for p, c, i in where.itertuples(index=False))
-    return note
+    return note + beside
 
 
 def combined_table(results, name: str) -> pd.DataFrame:
