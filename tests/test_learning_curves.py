@@ -189,6 +189,8 @@ def test_budget_note_gives_the_budgets_of_the_drafters_a_figure_shows(tmp_path):
     # another run's committed checkpoints beside this run's drafters: their budget is not this run's
     beside = budget_note(tmp_path, ["kv-ttt", "kv-ttt@reference", "hidden-ttt@reference", "ngram"])
     assert beside == shown + "; <row>@reference: the reference run's committed checkpoints, trained there"
+    only = budget_note(tmp_path, ["ngram", "hidden-ttt@reference"])  # none of this run's drafters is shown
+    assert only == "<row>@reference: the reference run's committed checkpoints, trained there"
 
 
 def test_two_drafters_of_one_paradigm_and_regime_are_told_apart_in_the_curves():

@@ -207,6 +207,8 @@ def budget_note(results_dir, drafters=None) -> str:
         return "drafters: none trained in this run" + beside
     times = pd.read_csv(path)
     shown = times[times["drafter"].isin(list(drafters))] if drafters is not None else times
+    if shown.empty and others:  # only other runs' checkpoints are shown
+        return beside.removeprefix("; ")
     times = shown if len(shown) else times
     tokens = times["train_tokens"]
     lo, hi = tokens.min() / 1e6, tokens.max() / 1e6
