@@ -24,6 +24,13 @@ def smollm2():
     return load_target("smollm2-135m", device="cpu", dtype="float32")
 
 
+def test_every_committed_checkpoint_together_fits_60_mb():
+    """The repository's rule: at most 60 MB of committed checkpoints in all (every run's, smoke runs aside)."""
+    runs = [p for p in FOLDER.parent.iterdir() if p.is_dir() and not p.name.endswith("-smoke")]
+    files = [f for run in runs for f in run.rglob("*") if f.is_file()]
+    assert sum(f.stat().st_size for f in files) <= 60 * MB
+
+
 def test_the_committed_checkpoints_fit_the_budget():
     limits = load_plan("reference").checkpoints  # max_file_mb: 16, max_total_mb: 60
     files = [f for f in FOLDER.rglob("*") if f.is_file()] if FOLDER.is_dir() else []
