@@ -64,6 +64,9 @@ def test_a_bad_plan_is_refused_before_anything_runs(tmp_path):
         load_plan(str(bad))
     bad.write_text(bad.read_text().replace("rows: [a, b]", "rows: [a]"))
     assert load_plan(str(bad)).eval_rows() == ["a"]
+    bad.write_text(bad.read_text() + "  baseline: {run: reference, rows: {b: a}}\n")  # b is not a row here
+    with pytest.raises(PlanError, match="baseline must be"):
+        load_plan(str(bad))
 
 
 def test_a_smoke_run_trains_every_row_and_writes_table_5(tmp_path):
@@ -215,10 +218,3 @@ def test_the_onpolicy_rows_are_measured_beside_the_reference_runs_checkpoints(ti
     drafters, missing = reference_run.evaluated_drafters(plan, tiny_llama, None, tmp_path)
     assert set(drafters) == {"hidden-ttt", "hidden-ttt@reference-smoke", "ngram"}  # kv-ttt@... is not there
     assert "kv-ttt" in missing and "hidden-ttt" not in missing
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(
-        "parameters: {target: tiny-llama}\nreference:\n  data: {responses: original}\n  training: {}\n"
-        "  rows: [{name: a, paradigm: hidden, regime: ttt}]\n  baseline: {run: reference, rows: {b: a}}\n"
-    )
-    with pytest.raises(PlanError, match="baseline must be"):
-        load_plan(str(bad))
