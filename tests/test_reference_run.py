@@ -218,3 +218,47 @@ def test_the_onpolicy_rows_are_measured_beside_the_reference_runs_checkpoints(ti
     drafters, missing = reference_run.evaluated_drafters(plan, tiny_llama, None, tmp_path)
     assert set(drafters) == {"hidden-ttt", "hidden-ttt@reference-smoke", "ngram"}  # kv-ttt@... is not there
     assert "kv-ttt" in missing and "hidden-ttt" not in missing
+
+
+def test_both_held_out_sets_measure_the_onpolicy_rows_and_the_reference_checkpoints(tiny_llama, tmp_path):
+    """The heldout step: each checkpoint (the on-policy run's and the reference run's) on the on-policy run's
+    held-out set (the target's own answers) and the reference run's (ShareGPT's), each labelled with what it
+    trained on; one drafter under two labels measures the same on each set; the figure redraws from its table."""
+    from conftest import trained_like
+
+    from kvshot_lib.drafters import save_drafter
+    from kvshot_lib.reference import run as reference_run
+    from kvshot_lib.reference.heldout import heldout_sets
+
+    plan = load_plan("onpolicy", smoke=True)
+    original = load_plan("onpolicy", smoke=True)
+    original.data["responses"] = "original"  # both runs would then hold out ShareGPT's answers: refused
+    with pytest.raises(PlanError, match="both hold original answers"):
+        heldout_sets(original, tiny_llama)
+    reference_run.regenerate_split(plan, tiny_llama, "eval", progress=False)
+    reference_run.regenerate_split(plan, tiny_llama, "train", progress=False)
+    d = trained_like(tiny_llama, "hidden")
+    save_drafter(d, tmp_path / "runs" / "onpolicy-smoke" / "drafters" / "hidden-ttt")
+    save_drafter(d, tmp_path / "checkpoints" / "reference-smoke" / "hidden-ttt")
+    run_reference(plan, "cpu", ("heldout",), ["hidden-ttt"], root=tmp_path, progress=False)
+    figures = tmp_path / "figures" / "onpolicy-smoke"
+    got = pd.read_csv(figures / "data" / "heldout_cross.csv")
+    steps = plan.row("hidden-ttt").train_config().eval_steps
+    assert len(got) == 2 * 2 * steps
+    assert set(zip(got["drafter"], got["heldout"], got["trained_on"])) == {
+        ("hidden-ttt", "original", "regenerated"),
+        ("hidden-ttt", "regenerated", "regenerated"),
+        ("hidden-ttt@reference-smoke", "original", "original"),
+        ("hidden-ttt@reference-smoke", "regenerated", "original"),
+    }
+    key = ["heldout", "draft_step"]
+    own = got[got["drafter"] == "hidden-ttt"].set_index(key).sort_index()
+    other = got[got["drafter"] == "hidden-ttt@reference-smoke"].set_index(key).sort_index()
+    pd.testing.assert_series_equal(own["accuracy"], other["accuracy"])  # the same weights, the same sets
+    assert own.loc[("original", 0), "n"] != own.loc[("regenerated", 0), "n"]  # two different held-out sets
+    step0 = got[got["draft_step"] == 0]
+    assert (step0["accuracy"] <= step0["ceiling"]).all()  # a token outside the draft vocabulary is a miss
+    redraw(figures, tmp_path / "redrawn", ["02_heldout_cross"])
+    assert (tmp_path / "redrawn" / "02_heldout_cross.png").read_bytes() == (
+        figures / "02_heldout_cross.png"
+    ).read_bytes()

@@ -35,11 +35,10 @@ class FigureDataError(ValueError):
 
 
 def _read(path: Path, spec: FigureSpec, table: str):
-    where = f"figure {spec.name!r} needs the table {table!r}, which notebook {spec.notebook} writes"
+    where = f"figure {spec.name!r} needs the table {table!r}, which {spec.writer} writes"
     if not path.is_file():
         raise FigureDataError(
-            f"{where}; it is missing from {path.parent}. Run that notebook (kvshot run --only "
-            f"{spec.notebook[:2]}) or restore the file."
+            f"{where}; it is missing from {path.parent}. Run `{spec.rerun}` or restore the file."
         )
     try:
         data = json.loads(path.read_text()) if path.suffix == ".json" else pd.read_csv(path)
@@ -48,7 +47,7 @@ def _read(path: Path, spec: FigureSpec, table: str):
     missing = [c for c in spec.columns.get(table, []) if c not in getattr(data, "columns", data)]
     if missing or (isinstance(data, pd.DataFrame) and data.empty):
         what = f"lacks the columns {missing}" if missing else "has no rows"
-        raise FigureDataError(f"{where}; {path} {what}. Rerun notebook {spec.notebook}.")
+        raise FigureDataError(f"{where}; {path} {what}. Rerun `{spec.rerun}`.")
     return data
 
 

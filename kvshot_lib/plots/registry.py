@@ -23,6 +23,17 @@ class FigureSpec:
     columns: dict  # table -> columns the drawing needs
     counts: Callable[[dict], str] = lambda t: ""  # tables -> "what each point averages"
     optional: tuple[str, ...] = ()  # tables read (and kept beside the figure) where they are present
+    command: str = ""  # what writes the tables where no notebook does (a step of the reference run)
+
+    @property
+    def writer(self) -> str:
+        """What writes the figure's tables, for error messages: the command, else the notebook."""
+        return f"`{self.command}`" if self.command else f"notebook {self.notebook}"
+
+    @property
+    def rerun(self) -> str:
+        """How to write the tables again."""
+        return self.command or f"kvshot run --only {self.notebook[:2]}"
 
 
 def _n_range(values) -> str:
@@ -168,6 +179,29 @@ SPECS = [
         lambda t: (
             f"each point: {_n_range(t['kv_ablation.csv']['n'])} held-out positions; band: 95% Wilson interval"
         ),
+    ),
+    FigureSpec(
+        "02_heldout_cross",
+        "02_train_drafters",
+        ("heldout_cross.csv",),
+        lambda t: training.plot_heldout_cross(t["heldout_cross.csv"]),
+        {
+            "heldout_cross.csv": [
+                "drafter",
+                "paradigm",
+                "heldout",
+                "trained_on",
+                "token_passes",
+                "draft_step",
+                "accuracy",
+                "n",
+                "ceiling",
+            ]
+        },  # fmt: skip
+        lambda t: (
+            f"each point: {_n_range(t['heldout_cross.csv']['n'])} held-out positions; band: 95% Wilson interval"
+        ),
+        command="python -m kvshot_lib.reference --profile onpolicy --steps heldout",
     ),
     FigureSpec(
         "02_training_curves",

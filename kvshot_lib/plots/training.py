@@ -111,6 +111,40 @@ def plot_per_step_accuracy(per_step: pd.DataFrame):
     return fig
 
 
+def plot_heldout_cross(table: pd.DataFrame):
+    """One panel per held-out set (ShareGPT's original answers, the target's own): per-step accuracy of every
+    drafter, solid where it trained on that panel's kind of answers and dashed where it trained on the other,
+    with 95% Wilson bands and the token-passes each trained for in the legend."""
+    sets = list(dict.fromkeys(table["heldout"]))
+    fig, axes = plt.subplots(1, len(sets), figsize=(PAGE, 2.8), sharey=True, squeeze=False)
+    looks = shade_lookalikes(
+        {
+            name: dict(color=drafter_color(name, d["paradigm"].iloc[0]), ls="-" if "@" not in name else "--")
+            for name, d in table.groupby("drafter", sort=False)
+        }
+    )
+    for ax, held in zip(axes[0], sets):
+        part = table[table["heldout"] == held]
+        for name, d in part.groupby("drafter", sort=False):
+            d = d.sort_values("draft_step")
+            passes = d["token_passes"].iloc[0]
+            label = f"{name} ({d['trained_on'].iloc[0]}, {passes / 1e6:.1f}M)" if pd.notna(passes) else name
+            ax.plot(d["draft_step"], d["accuracy"], marker="o", ms=3, label=label, **looks[name])
+            lo, hi = wilson_interval(d["accuracy"], d["n"])
+            ax.fill_between(d["draft_step"], lo, hi, color=looks[name]["color"], alpha=0.12, lw=0)
+        ax.set_title(
+            f"held-out: {held} answers (ceiling {part['ceiling'].min():.2f}–{part['ceiling'].max():.2f})"
+        )
+        ax.set_xlabel("draft step k")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylim(0, None)
+    axes[0][0].set_ylabel("held-out accuracy at draft step k")
+    fig.suptitle("Each drafter on both held-out sets (legend: the answers it trained on, token-passes)")
+    fig.tight_layout()
+    _legend_outside(fig, *axes[0][0].get_legend_handles_labels())
+    return fig
+
+
 CONDITION_STYLES = {"real": "-", "shuffled": "--", "zeroed": ":"}
 
 

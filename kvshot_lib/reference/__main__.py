@@ -8,6 +8,7 @@
     python -m kvshot_lib.reference --rows none-ttt --set train_steps=20  # a TrainConfig override for every row
     python -m kvshot_lib.reference --data n_train_conversations=16 --data min_train_tokens=0   # a smaller slice
     python -m kvshot_lib.reference --profile onpolicy --budget token_passes=2200000   # stage 1: every row to 2.2M
+    python -m kvshot_lib.reference --profile onpolicy --steps heldout   # its rows and the reference's on both sets
 
 Arguments are checked before anything is loaded: an unknown profile, step or row, CUDA asked for but absent.
 A killed run started again with the same arguments resumes each row at its last saved step.

@@ -14,6 +14,8 @@ row and after the evaluation (:func:`~.tables.update_run`), so a run stopped hal
   is read back, not retrained. After each row: its KV ablation (real / zeroed / shuffled target KV, KV readers),
   its wall time and machine, and, for the plan's headline rows, its committed checkpoint
   (:mod:`.checkpoints`). Trained drafters go to ``runs/<run>/drafters/<row>``, where notebooks 03, 04 and 06 look;
+* ``heldout`` (plans with a ``baseline`` run): the trained rows and the baseline run's checkpoints on both runs'
+  held-out sets (:mod:`.heldout`);
 * ``eval``: the trained rows and the n-gram baseline on MT-bench: acceptance by step in chain and tree at
   temperature 0 by greedy replay, then a chain at temperature 1 with the engine on a subset (:func:`evaluate`);
 * ``notebooks``: the profile's notebooks (notebook 04: query-estimation error and the causal check of the KV
@@ -34,10 +36,11 @@ from ..target import load_target
 from ..target.assets import REPO_ROOT
 from .checkpoints import commit_checkpoint
 from .data import RowData, data_splits, draft_vocab, regeneration_root, row_data, train_steps_for
+from .heldout import cross_heldout
 from .plan import Plan, PlanError, Row
 from .tables import acceptance_tables, trained_tables, update_run
 
-STEPS = ("regenerate", "train", "eval", "notebooks")
+STEPS = ("regenerate", "train", "heldout", "eval", "notebooks")
 __all__ = ["RowData", "data_splits", "draft_vocab", "row_data", "run_reference", "train_row"]
 
 
@@ -230,12 +233,10 @@ def evaluate(
     return runs, done
 
 
-def evaluated_drafters(plan: Plan, target, rows: list[str] | None, root: Path) -> tuple[dict, list[str]]:
-    """The drafters the eval step measures (``rows``, else the plan's eval rows that were trained; and the
-    ``baseline`` run's committed checkpoints, ``<row>@<run>``) and the plan's eval rows left out because they have
-    no checkpoint (rows dropped for time)."""
-    from ..drafters import NgramDrafter, load_drafter
-
+def evaluated_checkpoints(plan: Plan, rows: list[str] | None, root: Path) -> tuple[dict, list[str]]:
+    """The checkpoints the eval steps measure, ``{label: folder}`` (``rows``, else the plan's eval rows that were
+    trained; and the ``baseline`` run's committed checkpoints, ``<row>@<run>``), and the plan's eval rows left out
+    because they have no checkpoint (rows dropped for time)."""
     found, missing = {}, []
     for name in rows or plan.eval_rows():
         try:
@@ -249,6 +250,14 @@ def evaluated_drafters(plan: Plan, target, rows: list[str] | None, root: Path) -
         folder = Path(root) / "checkpoints" / run / row
         if label not in found and (folder / "config.json").is_file():
             found[label] = folder
+    return found, missing
+
+
+def evaluated_drafters(plan: Plan, target, rows: list[str] | None, root: Path) -> tuple[dict, list[str]]:
+    """The drafters of :func:`evaluated_checkpoints`, loaded, and the n-gram drafter (MT-bench's baseline)."""
+    from ..drafters import NgramDrafter, load_drafter
+
+    found, missing = evaluated_checkpoints(plan, rows, root)
     drafters = {name: load_drafter(path, target) for name, path in found.items()}
     drafters["ngram"] = NgramDrafter(target.info.vocab_size)
     return drafters, missing
@@ -333,6 +342,10 @@ def run_reference(
     if "train" in steps:
         train_rows(plan, target, names, root, progress, update, **train_overrides)
         record["trained"] = names
+    if "heldout" in steps and plan.baseline:
+        found, record["not_on_both_heldout"] = evaluated_checkpoints(plan, rows, root)
+        cross = cross_heldout(plan, target, found, progress)
+        update({"heldout_cross.csv": cross}, "heldout", list(found))
     if "eval" in steps:
         drafters, record["not_evaluated"] = evaluated_drafters(plan, target, rows, root)
         cache = Path(root) / "runs" / plan.run_name / "results" / "mtbench_greedy.json"

@@ -8,6 +8,7 @@ different machines, build one table. :func:`update_run` writes
   ``heldout_eval.csv``, ``curve_points.csv`` (the loop's learning-curve log), ``training_times.csv``,
   ``kv_ablation.csv`` (real / zeroed / shuffled target KV) and the run's own ``reference_rows.csv`` (unique
   tokens, token-passes, wall time, machine, plateau, stopping, committed checkpoint per row);
+* what the step on both held-out sets brings (:mod:`.heldout`): ``heldout_cross.csv``;
 * what the MT-bench evaluation brings (:func:`acceptance_tables`): ``acceptance_by_step.csv``,
   ``acceptance_summary.csv``, ``acceptance_bootstrap.csv`` (95% intervals of alpha_k, MAT, retention) and
   ``acceptance_generations.csv`` (each generation's accepted drafts and cycles);
@@ -42,6 +43,7 @@ KEYS = {
     "curve_points.csv": ROWS,
     "training_times.csv": ROWS,
     "kv_ablation.csv": ROWS,
+    "heldout_cross.csv": ["drafter", "heldout"],
     "acceptance_by_step.csv": ACCEPTANCE,
     "acceptance_summary.csv": ACCEPTANCE,
     "acceptance_bootstrap.csv": ACCEPTANCE,
@@ -57,6 +59,7 @@ FIGURES = {
     "02_heldout_over_training": ("heldout_eval.csv",),
     "02_learning_curves": ("learning_curves.csv", "curve_asymptotes.csv"),
     "02_kv_ablation": ("kv_ablation.csv",),
+    "02_heldout_cross": ("heldout_cross.csv",),
     "03_acceptance_by_step": ("acceptance_by_step.csv",),
     "03_mat_by_drafter": ("acceptance_summary.csv",),
 }
