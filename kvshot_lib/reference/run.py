@@ -219,13 +219,9 @@ def evaluate(
     refs = acceptance.greedy_references(
         target, e["n_questions"], e["max_new_tokens"], progress, cache=cache, batch_size=80
     )
-    runs, done = [], []
-    for mode in ("chain", "tree"):
-        for name, d in drafters.items():
-            runs += acceptance.run_greedy_replay(
-                target, {name: d}, refs, {mode: cfgs[mode]}, progress=progress
-            )
-            done.append(dict(drafter=name, mode=mode, temperature=0.0))
+    # one pass of the target over each reference serves every drafter and both modes
+    runs = acceptance.run_greedy_replay(target, drafters, refs, cfgs, progress=progress)
+    done = [dict(drafter=name, mode=mode, temperature=0.0) for mode in cfgs for name in drafters]
     for name, d in drafters.items():  # temperature 1: the engine, one generation at a time
         sampled = {"chain": dataclasses.replace(cfgs["chain"], temperature=1.0)}
         runs += acceptance.run_engine(target, {name: d}, e["n_questions_sampled"], sampled, progress=progress)
