@@ -218,6 +218,13 @@ def test_the_onpolicy_rows_are_measured_beside_the_reference_runs_checkpoints(ti
     drafters, missing = reference_run.evaluated_drafters(plan, tiny_llama, None, tmp_path)
     assert set(drafters) == {"hidden-ttt", "hidden-ttt@reference-smoke", "ngram"}  # kv-ttt@... is not there
     assert "kv-ttt" in missing and "hidden-ttt" not in missing
+    with pytest.raises(PlanError, match="no checkpoint of row 'none-ttt'"):
+        reference_run.evaluated_drafters(plan, tiny_llama, ["none-ttt"], tmp_path)
+    save_drafter(trained_like(tiny_llama, "kv"), tmp_path / "runs" / "onpolicy-smoke" / "drafters" / "kv-ttt")
+    asked, _ = reference_run.evaluated_drafters(plan, tiny_llama, ["kv-ttt"], tmp_path)
+    assert set(asked) == {"kv-ttt", "ngram"}  # hidden-ttt@reference-smoke pairs with rows not asked for
+    asked, _ = reference_run.evaluated_drafters(plan, tiny_llama, ["hidden-ttt"], tmp_path)
+    assert set(asked) == {"hidden-ttt", "hidden-ttt@reference-smoke", "ngram"}
 
 
 def test_both_held_out_sets_measure_the_onpolicy_rows_and_the_reference_checkpoints(tiny_llama, tmp_path):

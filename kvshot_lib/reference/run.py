@@ -231,8 +231,8 @@ def evaluate(
 
 def evaluated_checkpoints(plan: Plan, rows: list[str] | None, root: Path) -> tuple[dict, list[str]]:
     """The checkpoints the eval steps measure, ``{label: folder}`` (``rows``, else the plan's eval rows that were
-    trained; and the ``baseline`` run's committed checkpoints, ``<row>@<run>``), and the plan's eval rows left out
-    because they have no checkpoint (rows dropped for time)."""
+    trained; and the ``baseline`` run's committed checkpoints paired with them, ``<row>@<run>``), and the plan's
+    eval rows left out because they have no checkpoint (rows dropped for time)."""
     found, missing = {}, []
     for name in rows or plan.eval_rows():
         try:
@@ -241,7 +241,9 @@ def evaluated_checkpoints(plan: Plan, rows: list[str] | None, root: Path) -> tup
             if rows:
                 raise
             missing.append(name)
-    for _, label in plan.baseline_pairs():  # another run's committed checkpoints, e.g. hidden-ttt@reference
+    for own, label in plan.baseline_pairs():  # another run's committed checkpoints, e.g. hidden-ttt@reference
+        if rows and own not in rows:  # only the pairs of the rows asked for
+            continue
         row, run = label.split("@")
         folder = Path(root) / "checkpoints" / run / row
         if label not in found and (folder / "config.json").is_file():
