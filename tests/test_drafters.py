@@ -95,12 +95,19 @@ def test_shapes_and_groups(tiny_llama, seq, paradigm, mode, n_layers):
     assert set(d.state_dict()) == {n for n, _ in d.named_parameters()} | {"d2t", "target_probe"}
 
 
-@pytest.mark.parametrize("paradigm,mode,n_layers", VARIANTS)
-def test_no_later_position_reaches_an_earlier_draft(tiny_llama, seq, paradigm, mode, n_layers):
+EAGLE31 = dict(fc_norm=True, norm_output=True)
+
+
+@pytest.mark.parametrize(
+    "paradigm,mode,n_layers,flags",
+    [(*v, {}) for v in VARIANTS] + [("hidden", "concat", 1, EAGLE31), ("hybrid", "concat", 1, EAGLE31)],
+)
+def test_no_later_position_reaches_an_earlier_draft(tiny_llama, seq, paradigm, mode, n_layers, flags):
     """Step ``k`` of branch ``i`` may read the target's features and K/V of positions ``0..i`` and the tokens
     ``x_1..x_{i+1+k}``. Changing everything the batch holds at position ``j`` (the token, the hidden states,
-    the K/V) leaves the branches ``i < j-1-k`` *bitwise* unchanged and changes every later one."""
-    d = make(tiny_llama, paradigm, mode, n_layers).eval()
+    the K/V) leaves the branches ``i < j-1-k`` *bitwise* unchanged and changes every later one. With EAGLE 3.1's
+    switches (``flags``) too."""
+    d = make(tiny_llama, paradigm, mode, n_layers, **flags).eval()
     batch = batch_from_target(tiny_llama, *seq, d.cfg)
     K, g = 3, torch.Generator().manual_seed(5)
 
