@@ -40,6 +40,8 @@ IGNORED_OUTPUTS = (
     "figures/smoke/",  # figures/* is ignored except figures/default/ and figures/reference/: other profiles'
     "figures/qwen3-8b/",  # figures are written by running them
 )
+# Folders that were committed and replaced; the docs show the `git checkout <commit> -- <folder>` that restores them.
+FROM_HISTORY = ("checkpoints/reference/",)  # the reference run's checkpoints, replaced by the on-policy run's
 # Tokens with a slash that are not paths.
 NOT_PATHS = {"Qwen/Qwen3-8B"}  # a Hugging Face model id
 # Flags whose value is a place a command writes to (checked as output, not as an existing file).
@@ -124,7 +126,7 @@ def path_problem(token: str, basenames: set[str]) -> str | None:
     is_path = re.fullmatch(r"[\w.<>{}*,@-]*(/[\w.<>{}*,@-]*)+", token) and re.search(r"\w", token)
     if not is_path and not token.endswith(KNOWN_EXTENSIONS):
         return None
-    if token.startswith("/") or (token.rstrip("/") + "/").startswith(IGNORED_OUTPUTS):
+    if token.startswith("/") or (token.rstrip("/") + "/").startswith(IGNORED_OUTPUTS + FROM_HISTORY):
         return None
     if not re.fullmatch(r"[\w.<>{}*,@/-]+", token):
         return None  # not a file name (prose inside backticks)

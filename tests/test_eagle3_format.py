@@ -173,3 +173,8 @@ def test_a_committed_checkpoint_beside_a_trained_drafter_of_its_name_keeps_both(
     assert not torch.equal(first["hidden-ttt"], first["hidden-ttt@reference"])
     assert torch.equal(first["hidden-ttt"], unrolled_logits(fresh, tiny_llama, ids)[0][0])
     assert torch.equal(first["hidden-ttt@reference"], unrolled_logits(committed, tiny_llama, ids)[0][0])
+    # a committed checkpoint of a row this run did not train still says which run it comes from
+    save_drafter(committed, tmp_path / "checkpoints" / "onpolicy" / "hidden31-ttt")
+    extra.append(tmp_path / "checkpoints" / "onpolicy" / "hidden31-ttt")
+    drafters, _ = drafters_for_run(tmp_path / "run", tiny_llama, ("ngram",), extra=extra)
+    assert set(drafters) == {"ngram", "hidden-ttt", "hidden-ttt@reference", "hidden31-ttt@onpolicy"}

@@ -304,8 +304,9 @@ def drafters_for_run(
 ) -> tuple[dict, str]:
     """The baseline drafters named in ``baselines`` plus every trained checkpoint under ``<run_dir>/drafters/``
     (labelled by folder name, weights in ``dtype`` when given; none when ``run_dir`` is None), plus the drafter
-    folders in ``extra`` (any checkpoint, e.g. a public EAGLE-3 drafter in the layout vLLM loads, or a committed
-    ``checkpoints/reference/<row>``: labelled ``<row>@reference`` where the run trained a drafter of that name),
+    folders in ``extra`` (any checkpoint, e.g. a public EAGLE-3 drafter in the layout vLLM loads, labelled by folder
+    name, or ``<row>@<parent>`` where the run trained a drafter of that name; a committed ``checkpoints/<run>/<row>``
+    is always labelled ``<row>@<run>``, so that no figure takes it for this run's),
     and a one-line note saying what was found."""
     unknown = [b for b in baselines if not is_baseline_name(b)]
     if unknown:
@@ -317,7 +318,8 @@ def drafters_for_run(
         clash = folder.name in drafters or (
             root is not None and (root / folder.name / "config.json").is_file()
         )
-        label = f"{folder.name}@{folder.parent.name}" if clash else folder.name
+        committed = folder.resolve().parent.parent.name == "checkpoints"  # checkpoints/<run>/<row>
+        label = f"{folder.name}@{folder.parent.name}" if clash or committed else folder.name
         drafters[label] = resolve_drafter(str(folder), target, seed, dtype)
     if run_dir is None:
         return drafters, f"Baselines: {', '.join(baselines)}" + (

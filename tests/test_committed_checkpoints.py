@@ -1,5 +1,5 @@
-"""The reference drafters committed in ``checkpoints/reference/``, as a fresh clone has them: within the size
-limits, bf16 trainable weights only, loading on the CPU with SmolLM2, refusing another target, and decoding
+"""The drafters committed under ``checkpoints/<run>/`` (the on-policy run's, and any other run's), as a fresh clone
+has them: within the size limits, bf16 trainable weights only, loading on the CPU with SmolLM2, refusing another target, and decoding
 losslessly (chain and tree equal to plain greedy decoding) with no training and nothing under ``runs/``; and no
 committed file under ``checkpoints/`` or ``figures/`` records a path of the machine that wrote it."""
 
@@ -14,8 +14,11 @@ from kvshot_lib.drafters import DrafterTargetMismatch, load_drafter
 from kvshot_lib.reference import load_plan
 from kvshot_lib.target import REPO_ROOT, load_target
 
-FOLDER = REPO_ROOT / "checkpoints" / "reference"
-ROWS = sorted(p.name for p in FOLDER.iterdir() if (p / "config.json").is_file()) if FOLDER.is_dir() else []
+CHECKPOINTS = REPO_ROOT / "checkpoints"
+RUNS = sorted(p for p in CHECKPOINTS.iterdir() if p.is_dir() and not p.name.endswith("-smoke"))
+ROWS = [
+    f"{run.name}/{p.name}" for run in RUNS for p in sorted(run.iterdir()) if (p / "config.json").is_file()
+]
 MB = 10**6
 
 
@@ -26,21 +29,22 @@ def smollm2():
 
 def test_every_committed_checkpoint_together_fits_60_mb():
     """The repository's rule: at most 60 MB of committed checkpoints in all (every run's, smoke runs aside)."""
-    runs = [p for p in FOLDER.parent.iterdir() if p.is_dir() and not p.name.endswith("-smoke")]
-    files = [f for run in runs for f in run.rglob("*") if f.is_file()]
+    assert ROWS, "a fresh clone has committed checkpoints"
+    files = [f for run in RUNS for f in run.rglob("*") if f.is_file()]
     assert sum(f.stat().st_size for f in files) <= 60 * MB
 
 
-def test_the_committed_checkpoints_fit_the_budget():
-    limits = load_plan("reference").checkpoints  # max_file_mb: 16, max_total_mb: 60
-    files = [f for f in FOLDER.rglob("*") if f.is_file()] if FOLDER.is_dir() else []
+@pytest.mark.parametrize("run", RUNS, ids=lambda p: p.name)
+def test_the_committed_checkpoints_fit_their_runs_budget(run):
+    limits = load_plan(run.name).checkpoints  # max_file_mb: 16, max_total_mb: 60
+    files = [f for f in run.rglob("*") if f.is_file()]
     assert all(f.stat().st_size <= limits["max_file_mb"] * MB for f in files)
     assert sum(f.stat().st_size for f in files) <= limits["max_total_mb"] * MB
 
 
 @pytest.mark.parametrize("row", ROWS)
 def test_a_committed_drafter_is_bf16_loads_and_refuses_another_target(smollm2, row):
-    folder = FOLDER / row
+    folder = CHECKPOINTS / row
     drafter = load_drafter(folder, smollm2)
     assert_bf16_trainable_weights(drafter, sorted(folder.glob("*.safetensors")))
     assert drafter.head.device.type == "cpu"
@@ -50,7 +54,7 @@ def test_a_committed_drafter_is_bf16_loads_and_refuses_another_target(smollm2, r
 
 @pytest.mark.parametrize("row", ROWS)
 def test_a_committed_drafter_decodes_losslessly(smollm2, row):
-    drafter = load_drafter(FOLDER / row, smollm2)
+    drafter = load_drafter(CHECKPOINTS / row, smollm2)
     prompt = chat_prompt_ids(smollm2.tokenizer, [{"role": "user", "content": "Why is the sky blue?"}])
     plain = generate(smollm2, prompt, DecodeConfig(mode="ar", max_new_tokens=40))
     for mode in ("chain", "tree"):
