@@ -90,7 +90,9 @@ def greedy_references(
     refs = _decode_references(target, n_questions, max_new_tokens, progress, batch_size)
     if cache is not None:
         Path(cache).parent.mkdir(parents=True, exist_ok=True)
-        Path(cache).write_text(json.dumps(dict(spec=spec, references=[dataclasses.asdict(r) for r in refs])))
+        tmp = Path(cache).with_suffix(".tmp")  # whole or absent: another run may be waiting for it
+        tmp.write_text(json.dumps(dict(spec=spec, references=[dataclasses.asdict(r) for r in refs])))
+        tmp.replace(cache)
     return refs
 
 
