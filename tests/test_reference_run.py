@@ -239,7 +239,8 @@ def test_both_held_out_sets_measure_the_onpolicy_rows_and_the_reference_checkpoi
 
     plan = load_plan("onpolicy", smoke=True)
     original = load_plan("onpolicy", smoke=True)
-    original.data["responses"] = "original"  # both runs would then hold out ShareGPT's answers: refused
+    for row in original.rows.values():  # both runs would then hold out ShareGPT's answers: refused
+        row.responses = "original"
     with pytest.raises(PlanError, match="both hold original answers"):
         heldout_sets(original, tiny_llama)
     reference_run.regenerate_split(plan, tiny_llama, "eval", progress=False)

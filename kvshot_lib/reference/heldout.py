@@ -21,14 +21,9 @@ from .data import data_splits
 from .plan import Plan, PlanError, load_plan
 
 
-def responses_of(plan: Plan) -> str:
-    """Which answers a plan trains and holds out on: ``original`` or ``regenerated``."""
-    return plan.data.get("responses", "original")
-
-
-def first_row_config(plan: Plan):
-    """The plan's shared training settings (every row has them; its first row's config carries them)."""
-    return plan.row(plan.training_order()[0]).train_config()
+def first_row(plan: Plan):
+    """The plan's first row: it carries what every row shares (the training settings, the answers trained on)."""
+    return plan.row(plan.training_order()[0])
 
 
 def heldout_sets(plan: Plan, target) -> dict:
@@ -37,8 +32,8 @@ def heldout_sets(plan: Plan, target) -> dict:
     plans = [plan] + ([load_plan(plan.baseline["run"], smoke=plan.smoke)] if plan.baseline else [])
     out = {}
     for p in plans:
-        precision = first_row_config(p).mixed_precision
-        _, held, what = data_splits(p, target, responses_of(p))
+        precision = first_row(p).train_config().mixed_precision
+        _, held, what = data_splits(p, target, first_row(p).responses)
         answers = what.split(" ")[0]  # "regenerated (...)", or "original" where nothing is regenerated yet
         if answers in out:
             raise PlanError(
@@ -57,11 +52,13 @@ def cross_heldout(plan: Plan, target, checkpoints: dict, progress: bool = True) 
     from ..target.precision import autocast, resolve_precision
     from ..training import EvalSet, evaluate_per_step
 
-    c = first_row_config(plan)
+    c = first_row(plan).train_config()
     device = target.info.device
     precision = resolve_precision(c.mixed_precision, device)  # as the training loop's held-out evaluation
     sets = heldout_sets(plan, target)
-    baseline = responses_of(load_plan(plan.baseline["run"], smoke=plan.smoke)) if plan.baseline else None
+    baseline = (
+        first_row(load_plan(plan.baseline["run"], smoke=plan.smoke)).responses if plan.baseline else None
+    )
     rows = []
     for label, folder in tqdm(checkpoints.items(), desc="both held-out sets", disable=not progress):
         d = load_drafter(folder, target)
@@ -75,7 +72,7 @@ def cross_heldout(plan: Plan, target, checkpoints: dict, progress: bool = True) 
                     drafter=label,
                     paradigm=d.cfg.paradigm,
                     heldout=held,
-                    trained_on=baseline if "@" in label else responses_of(plan),
+                    trained_on=baseline if "@" in label else first_row(plan).responses,
                     token_passes=extra.get("train_tokens"),
                     draft_step=k,
                     accuracy=acc[f"acc_{k}"],
