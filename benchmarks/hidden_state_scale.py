@@ -20,8 +20,8 @@ import torch
 
 from kvshot_lib.drafters import drafter_config_for
 from kvshot_lib.reference import data, load_plan
+from kvshot_lib.target import forward as target_forward
 from kvshot_lib.target import load_target
-from kvshot_lib.target.forward import sequence_features
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -38,7 +38,9 @@ def main() -> int:
     peak, tokens = dict.fromkeys(layers, 0.0), 0
     with torch.no_grad():
         for ids in held.ids[: args.n_conversations]:
-            feats = sequence_features(target.model, torch.as_tensor(ids)[None], hidden_layers=layers)
+            feats = target_forward.sequence_features(
+                target.model, torch.as_tensor(ids)[None], hidden_layers=layers
+            )
             for layer in layers:
                 h = feats.hidden[layer][0].double()  # [T, H]
                 energy[layer] += h.pow(2).sum(0)

@@ -234,8 +234,8 @@ def test_both_held_out_sets_measure_the_onpolicy_rows_and_the_reference_checkpoi
     from conftest import trained_like
 
     from kvshot_lib.drafters import save_drafter
+    from kvshot_lib.reference import heldout_sets
     from kvshot_lib.reference import run as reference_run
-    from kvshot_lib.reference.heldout import heldout_sets
 
     plan = load_plan("onpolicy", smoke=True)
     original = load_plan("onpolicy", smoke=True)
