@@ -12,7 +12,7 @@ with the exported drafter (``num_speculative_tokens`` = k), all greedy, batch 1,
   counters, for the same drafter and prompts.
 
 Needs ``make interop-env`` (``.venv-serve``). Prints and saves ``benchmarks/results/vllm_cpu_<machine>.json``:
-    python benchmarks/vllm_cpu.py --drafter checkpoints/onpolicy/hidden-ttt [--n-questions 6] [--k 3]
+    python benchmarks/vllm_cpu.py --drafter checkpoints/reference/hidden-ttt [--n-questions 6] [--k 3]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ METHODS = ("suite_plain", "suite_chain", "vllm_plain", "vllm_eagle3")
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafter", default="checkpoints/onpolicy/hidden-ttt", help="a suite hidden drafter")
+    ap.add_argument("--drafter", default="checkpoints/reference/hidden-ttt", help="a suite hidden drafter")
     ap.add_argument("--n-questions", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=3, help="drafts per cycle: the suite's chain depth and vLLM's k")

@@ -114,14 +114,14 @@ def test_a_public_drafters_own_head_and_embedding_are_used(tiny_llama, tmp_path)
 @pytest.mark.skipif(
     not SERVE_PYTHON.is_file(), reason="needs .venv-serve (make interop-env) with speculators"
 )
-@pytest.mark.parametrize("which", ["onpolicy-hidden-ttt", "eagle31"])
+@pytest.mark.parametrize("which", ["reference-hidden-ttt", "eagle31"])
 def test_speculators_computes_the_suites_draft_logits(tmp_path, which):
     """speculators converts the export, loads it as its own EAGLE-3 model and gives the same first-step logits."""
     target = load_target("smollm2-135m", device="cpu", dtype="float32")
     if which == "eagle31":
         d = eagle31_like(target)
     else:
-        d = load_drafter(REPO_ROOT / "checkpoints" / "onpolicy" / "hidden-ttt", target)
+        d = load_drafter(REPO_ROOT / "checkpoints" / "reference" / "hidden-ttt", target)
     out = export_eagle3(d, target, tmp_path / "e3")
     ids = torch.tensor(
         target.tokenizer("Speculative decoding drafts tokens that the target verifies.")["input_ids"]
