@@ -264,9 +264,11 @@ def _read(folder: Path, name: str) -> pd.DataFrame:
 def caption(plan, tables: dict) -> str:
     """The caption line of every figure: target, data (unique tokens, token-passes per drafter), precision."""
     rows, jobs = tables["reference_rows.csv"], tables["reference_jobs.csv"]
-    bits = [f"{plan.target} · reference run"]
+    bits = [f"{plan.target} · {plan.run_name} run"]
     if "unique_tokens" in rows and rows["unique_tokens"].notna().any():
-        bits.append(f"ShareGPT V3, {int(rows['unique_tokens'].max()):,} unique training tokens")
+        regenerated = "responses" in rows and str(rows["responses"].iloc[0]).startswith("regenerated")
+        answers = " answered by the target" if regenerated else ""
+        bits.append(f"ShareGPT V3{answers}, {int(rows['unique_tokens'].max()):,} unique training tokens")
     if "train_tokens" in rows and len(rows):
         lo, hi = int(rows["train_tokens"].min()), int(rows["train_tokens"].max())
         bits.append(f"{lo:,}{f'–{hi:,}' if hi != lo else ''} token-passes per drafter")
