@@ -26,10 +26,15 @@ def first_row(plan: Plan):
     return plan.row(plan.training_order()[0])
 
 
+def baseline_plan(plan: Plan) -> Plan | None:
+    """The plan of the run that ``plan``'s ``baseline`` names (its smoke plan for a smoke plan), if any."""
+    return load_plan(plan.baseline["run"], smoke=plan.smoke) if plan.baseline else None
+
+
 def heldout_sets(plan: Plan, target) -> dict:
     """``{answers: held-out feature store}`` of the plan and of its baseline run (extracted once, cached), keyed by
     the answers each holds: ``original`` or ``regenerated``."""
-    plans = [plan] + ([load_plan(plan.baseline["run"], smoke=plan.smoke)] if plan.baseline else [])
+    plans = [p for p in (plan, baseline_plan(plan)) if p is not None]
     out = {}
     for p in plans:
         precision = first_row(p).train_config().mixed_precision
