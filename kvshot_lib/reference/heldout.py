@@ -61,9 +61,8 @@ def cross_heldout(plan: Plan, target, checkpoints: dict, progress: bool = True) 
     device = target.info.device
     precision = resolve_precision(c.mixed_precision, device)  # as the training loop's held-out evaluation
     sets = heldout_sets(plan, target)
-    baseline = (
-        first_row(load_plan(plan.baseline["run"], smoke=plan.smoke)).responses if plan.baseline else None
-    )
+    own, other = first_row(plan).responses, baseline_plan(plan)
+    baseline = first_row(other).responses if other else None
     rows = []
     for label, folder in tqdm(checkpoints.items(), desc="both held-out sets", disable=not progress):
         d = load_drafter(folder, target)
@@ -77,7 +76,7 @@ def cross_heldout(plan: Plan, target, checkpoints: dict, progress: bool = True) 
                     drafter=label,
                     paradigm=d.cfg.paradigm,
                     heldout=held,
-                    trained_on=baseline if "@" in label else first_row(plan).responses,
+                    trained_on=baseline if "@" in label else own,
                     token_passes=extra.get("train_tokens"),
                     draft_step=k,
                     accuracy=acc[f"acc_{k}"],
