@@ -139,3 +139,21 @@ def test_a_finished_store_is_only_read(tiny_llama, split, tmp_path, monkeypatch)
     assert (manifest.read_bytes(), manifest.stat().st_mtime_ns) == before
     assert (tmp_path / "manifest.json.tmp").read_text() == "another run's"
     assert again.manifest["content_hash"] == store.manifest["content_hash"]
+
+
+def test_a_subset_of_a_store_reads_the_chosen_sequences_in_order(tiny_llama, split, tmp_path):
+    store = extract_features(
+        tiny_llama, split, hidden_layers=[1], out_dir=tmp_path, dtype="float32", shard_tokens=200
+    )
+    view = store.subset([4, 0])
+    assert len(view) == 2 and len(store) == len(split)  # the store itself is unchanged
+    for j, i in enumerate([4, 0]):
+        a, b = view.sequence(j), store.sequence(i)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert view.n_tokens == len(split.ids[4]) + len(split.ids[0]) == view.manifest["n_tokens"]
+    assert (
+        view.manifest["content_hash"] != store.manifest["content_hash"]
+    )  # caches keyed on it never mix the two
+    assert store.n_tokens == store.manifest["n_tokens"] == split.n_tokens
+    part = split.subset([4, 0])
+    assert part.source_ids == [split.source_ids[4], split.source_ids[0]] and part.n_tokens == view.n_tokens

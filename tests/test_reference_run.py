@@ -8,6 +8,7 @@ import math
 
 import pandas as pd
 import pytest
+import torch
 
 from kvshot_lib.corpus import FeatureStore
 from kvshot_lib.plots import redraw
@@ -64,6 +65,11 @@ def test_a_bad_plan_is_refused_before_anything_runs(tmp_path):
         load_plan(str(bad))
     bad.write_text(bad.read_text().replace("rows: [a, b]", "rows: [a]"))
     assert load_plan(str(bad)).eval_rows() == ["a"]
+    bad.write_text(bad.read_text().replace("regime: ttt}", "regime: ttt, drop_looping: yes please}"))
+    with pytest.raises(PlanError, match="row 'a': drop_looping must be true or false"):
+        load_plan(str(bad))
+    bad.write_text(bad.read_text().replace("drop_looping: yes please", "drop_looping: true"))
+    assert load_plan(str(bad)).row("a").drop_looping
     bad.write_text(bad.read_text() + "  baseline: {run: reference, rows: {b: a}}\n")  # b is not a row here
     with pytest.raises(PlanError, match="baseline must be"):
         load_plan(str(bad))
@@ -270,3 +276,22 @@ def test_both_held_out_sets_measure_the_onpolicy_rows_and_the_reference_checkpoi
     assert (tmp_path / "redrawn" / "02_heldout_cross.png").read_bytes() == (
         figures / "02_heldout_cross.png"
     ).read_bytes()
+
+
+def test_a_row_that_drops_looping_answers_trains_on_the_other_conversations(tiny_llama, monkeypatch):
+    from kvshot_lib.reference import data as reference_data
+
+    plan = load_plan("onpolicy", smoke=True)
+    full = reference_data.row_data(plan, tiny_llama, plan.row("hidden31-ttt"), progress=False)
+    monkeypatch.setattr(
+        reference_data, "looping_conversations", lambda split, stops: [i % 3 == 0 for i in range(len(split))]
+    )
+    part = reference_data.row_data(plan, tiny_llama, plan.row("hidden31-ttt-noloop"), progress=False)
+    keep = [i for i in range(len(full.train)) if i % 3]
+    ids = lambda store, i: store.sequence(i, ["input_ids"])["input_ids"]  # noqa: E731
+    assert len(part.train) == len(keep) and all(
+        torch.equal(ids(part.train, j), ids(full.train, i)) for j, i in enumerate(keep)
+    )
+    assert part.unique_tokens == sum(len(ids(full.train, i)) for i in keep) < full.unique_tokens
+    assert part.what.endswith(f"without the {len(full.train) - len(keep)} conversations whose answers loop")
+    assert len(part.held) == len(full.held)  # one held-out set measures every row

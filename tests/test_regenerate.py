@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from kvshot_lib import corpus
 from kvshot_lib.corpus import (
     batched_greedy,
     chat_prompt_ids,
@@ -174,3 +175,28 @@ def test_a_conversation_whose_first_turn_does_not_fit_ends_there(tiny_llama):
     assert by_id["long"] == []
     assert [m["role"] for m in by_id["short"]] == ["user", "assistant", "user", "assistant"]
     assert counts["answers"] == 2
+
+
+def test_looping_conversations_reads_each_answer_without_its_stop_token():
+    stop, loop = 9, [1, 2, 3] * 40  # 120 tokens of period 3: loops() is True on it alone
+    fresh = list(range(10, 210))  # no period: loops() is False
+
+    def conversation(
+        *answers,
+    ):  # a user turn (2 tokens) before each answer, as the chat template lays them out
+        ids, mask = [], []
+        for a in answers:
+            ids += [7, 8] + a
+            mask += [False, False] + [True] * len(a)
+        return torch.tensor(ids), torch.tensor(mask)
+
+    convs = [
+        conversation(loop + [stop]),  # the closing stop token would break the period if it were kept
+        conversation(fresh + [stop]),
+        conversation(fresh + [stop], loop + [stop]),  # the second answer loops
+        conversation(loop),  # cut without a stop token (or by the length cap)
+        conversation(loop + [4, stop]),  # one token off the period just before the stop: not a loop
+    ]
+    split = corpus.TokenizedSplit([c[0] for c in convs], [c[1] for c in convs], list("abcde"))
+    assert regenerate.looping_conversations(split, [stop]) == [True, False, True, True, False]
+    assert regenerate.looping_conversations(split, []) == [False, False, False, True, False]

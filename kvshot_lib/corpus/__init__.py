@@ -20,7 +20,13 @@ from .chat import answer_text, chat_prompt_ids, encode_conversation, render_mask
 from .features import FeatureStore, FeatureStoreMismatch, default_store_dir, extract_features
 from .long_context import LongPrompt, context_lengths, long_prompts
 from .mtbench import MTBenchQuestion, load_mtbench, mtbench_messages
-from .regenerate import batched_greedy, cached_regeneration, regenerate_sharegpt, regenerated_split
+from .regenerate import (
+    batched_greedy,
+    cached_regeneration,
+    looping_conversations,
+    regenerate_sharegpt,
+    regenerated_split,
+)
 from .sharegpt import (
     TokenizedSplit,
     conversation_table,
@@ -36,6 +42,7 @@ from .vllm_engine import VllmGreedy, VllmUnavailable
 __all__ = [
     "long_context",
     "FeatureStore",
+    "looping_conversations",
     "FeatureStoreMismatch",
     "LongPrompt",
     "MTBenchQuestion",

@@ -18,6 +18,7 @@ finished shards are kept (their hashes are checked), an interrupted shard is red
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import time
@@ -302,9 +303,18 @@ class FeatureStore:
     def __len__(self) -> int:
         return len(self._index)
 
+    def subset(self, indices) -> FeatureStore:
+        """A view of the sequences ``indices``, in that order, reading the same files (nothing is copied)."""
+        pick = [int(i) for i in indices]
+        view = copy.copy(self)
+        view._index = [self._index[i] for i in pick]
+        key = hashlib.sha256(json.dumps([self.manifest.get("content_hash"), pick]).encode()).hexdigest()[:16]
+        view.manifest = dict(self.manifest, content_hash=key, n_sequences=len(pick), n_tokens=view.n_tokens)
+        return view
+
     @property
     def n_tokens(self) -> int:
-        return int(self.manifest["n_tokens"])
+        return sum(b - a for _, a, b in self._index)
 
     @property
     def bytes_per_token(self) -> float:

@@ -61,6 +61,23 @@ def loops(ids: list[int], tail: int = 96, max_period: int = 32) -> bool:
     return any(all(t[i] == t[i + p] for i in range(tail - p)) for p in range(1, max_period + 1))
 
 
+def looping_conversations(split: TokenizedSplit, stops) -> list[bool]:
+    """For each conversation of ``split``: whether one of its answers (a run of its loss mask, without the stop
+    token that closes it) ends in a loop (:func:`loops`), as the regeneration's manifest counts them."""
+    stops, out = set(stops), []
+    for ids, mask in zip(split.ids, split.loss_mask):
+        ids, mask, answers, start = ids.tolist(), mask.tolist(), [], None
+        for i, m in enumerate([*mask, False]):
+            if m and start is None:
+                start = i
+            elif not m and start is not None:
+                answer = ids[start:i]
+                answers.append(answer[:-1] if answer and answer[-1] in stops else answer)
+                start = None
+        out.append(any(loops(a) for a in answers))
+    return out
+
+
 @torch.inference_mode()
 def batched_greedy(
     target, prompts: list[list[int]], max_new_tokens: int, stop: bool = True

@@ -141,6 +141,17 @@ class TokenizedSplit:
             self.counts,
         )
 
+    def subset(self, indices) -> TokenizedSplit:
+        """The conversations ``indices``, in that order (the spec records how many were kept)."""
+        pick = [int(i) for i in indices]
+        return TokenizedSplit(
+            [self.ids[i] for i in pick],
+            [self.loss_mask[i] for i in pick],
+            [self.source_ids[i] for i in pick],
+            dict(self.spec, subset=len(pick)),
+            self.counts,
+        )
+
     def sequences(self, fields=("input_ids", "loss_mask")):
         """Each conversation as ``{"input_ids", "loss_mask"}`` (what a feature store yields for these fields)."""
         for ids, mask in zip(self.ids, self.loss_mask):

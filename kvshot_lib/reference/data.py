@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..corpus import cached_regeneration, extract_features, tokenize_sharegpt
+from ..corpus import cached_regeneration, extract_features, looping_conversations, tokenize_sharegpt
 from ..target import assets
 from ..target.assets import REPO_ROOT
 from .plan import Plan, PlanError, Row
@@ -63,16 +63,24 @@ def row_data(plan: Plan, target, row: Row, progress: bool = True) -> RowData:
     from ..training import EvalSet, online_eval_set
 
     train, held, what = data_splits(plan, target, row.responses)
+    keep = None
+    if row.drop_looping:
+        looping = looping_conversations(train, target.info.eos_token_ids)
+        keep = [i for i, bad in enumerate(looping) if not bad]
+        if not keep:
+            raise PlanError(f"row {row.name!r} drops looping answers, and every training conversation loops.")
+        what += f", without the {sum(looping)} conversations whose answers loop"
     base = row.train_config()
     crop = base.max_tokens or math.inf
-    mean_length = sum(min(len(x), crop) for x in train.ids) / len(train)
-    unique = train.n_tokens
-    floor = int(plan.data.get("min_train_tokens", 0))
-    if unique < floor:
+    floor = int(plan.data.get("min_train_tokens", 0))  # how far the slice must reach, before any row's filter
+    if train.n_tokens < floor:
         raise PlanError(
-            f"the training slice holds {unique:,} tokens, fewer than the plan's min_train_tokens {floor:,}: "
-            "raise data.n_train_conversations."
+            f"the training slice holds {train.n_tokens:,} tokens, fewer than the plan's min_train_tokens "
+            f"{floor:,}: raise data.n_train_conversations."
         )
+    kept = train if keep is None else train.subset(keep)
+    mean_length = sum(min(len(x), crop) for x in kept.ids) / len(kept)
+    unique = kept.n_tokens
     superset = drafter_config_for(target, "hybrid", draft_vocab_size=base.draft_vocab_size)
     args = (superset, target, base.eval_sequences, base.batch_size, base.max_tokens)
     if base.data_source == "store":  # extracted once, resumable; every store row reuses it
@@ -81,6 +89,8 @@ def row_data(plan: Plan, target, row: Row, progress: bool = True) -> RowData:
         eval_set = EvalSet.build(held, *args)
     else:
         eval_set = online_eval_set(held, *args)
+    if keep is not None:  # the store is the whole slice's (shared with the other rows); the row reads a view
+        train = train.subset(keep)
     return RowData(train, held, what, eval_set, unique, mean_length)
 
 

@@ -1,13 +1,15 @@
 """The reference run's plan: the ``reference`` section of a profile as validated rows.
 
 A row is one line of the paper's Table 5 at SmolLM2 scale: a name, the :class:`TrainConfig` parameters that
-differ from the shared ``training`` ones, and three keys of its own:
+differ from the shared ``training`` ones, and four keys of its own:
 
 * ``like: <row>`` starts from another row's parameters (seeds, the original-responses control);
 * ``init_from: <row>`` starts its weights from that row's trained checkpoint (the paper's "from the EAGLE-3
   checkpoint"); ``init_from: target`` starts a KV drafter's attention from the target layers it reads (a
   :class:`TrainConfig` value); ``kv_mode: best`` takes the profile's ``best_kv_mode``;
-* ``responses: original | regenerated`` overrides the data's responses for this row.
+* ``responses: original | regenerated`` overrides the data's responses for this row;
+* ``drop_looping: true`` trains without the conversations one of whose answers ends in a loop
+  (:func:`~kvshot_lib.corpus.looping_conversations`; the regenerated answers of a small target often do).
 
 Beside the rows: ``data`` (the ShareGPT slices), ``budget`` (``token_passes``: the cap every row trains to at
 most, turned into optimizer steps on the data, see :func:`~.data.train_steps_for`), ``checkpoints`` (the limits
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from ..runner import load_profile
 from ..training import TrainConfig, TrainConfigError
 
-ROW_KEYS = ("name", "like", "headline", "responses", "paper")
+ROW_KEYS = ("name", "like", "headline", "responses", "paper", "drop_looping")
 RESPONSES = ("regenerated", "original")
 
 
@@ -43,6 +45,7 @@ class Row:
     responses: str = "regenerated"
     init_row: str | None = None  # the row whose checkpoint init_from names
     paper: str = ""  # the line of the paper's Table 5 this row stands for (reference_table.csv)
+    drop_looping: bool = False  # train without the conversations whose answers loop (regenerated responses)
 
     def train_config(self, **overrides) -> TrainConfig:
         return TrainConfig.from_params({**self.params, "name": self.name, **overrides})
@@ -186,6 +189,9 @@ def _rows(specs: list, training: dict, best_kv_mode: str, responses: str) -> dic
         headline = bool(own.pop("headline", False))
         paper = str(own.pop("paper", ""))
         resp = own.pop("responses", responses)
+        drop_looping = own.pop("drop_looping", False)
+        if not isinstance(drop_looping, bool):
+            raise PlanError(f"row {name!r}: drop_looping must be true or false, got {drop_looping!r}.")
         own.pop("name")
         if resp not in RESPONSES:
             raise PlanError(f"row {name!r}: responses must be one of {RESPONSES}, got {resp!r}.")
@@ -203,5 +209,5 @@ def _rows(specs: list, training: dict, best_kv_mode: str, responses: str) -> dic
             TrainConfig.from_params({**params, "name": name})
         except TrainConfigError as e:
             raise PlanError(f"row {name!r}: {e}") from None
-        rows[name] = Row(name, params, headline, resp, init_row, paper)
+        rows[name] = Row(name, params, headline, resp, init_row, paper, drop_looping)
     return rows
