@@ -18,7 +18,6 @@ version and thread count, under ``<cache>/linear_kernels.json``.
 
 from __future__ import annotations
 
-import platform
 import time
 import types
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..target.disk_cache import read_table, save_entry
+from ..target.precision import cpu_model
 
 MAX_ROWS = 8  # block sizes considered
 MARGIN = 0.9  # another choice must be at least 10% faster than F.linear to be taken
@@ -51,7 +51,7 @@ def linear_plan(weight: torch.Tensor, reps: int = 5) -> Plan:
     Timed on enough distinct copies of the weight (64 MB) that, as in a real forward, they stream from
     memory rather than sit in cache."""
     key = (weight.shape[0], weight.shape[1], weight.dtype)
-    disk_key = f"{_cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads|rows 1-8|{key}"
+    disk_key = f"{cpu_model()}|torch {torch.__version__}|{torch.get_num_threads()} threads|rows 1-8|{key}"
     cached = read_table(KERNELS).get(disk_key)
     if key not in _PLANS and isinstance(cached, dict):
         _PLANS[key] = {int(m): (int(p), bool(t)) for m, (p, t) in cached.items()}
@@ -72,14 +72,6 @@ def linear_plan(weight: torch.Tensor, reps: int = 5) -> Plan:
         _PLANS[key] = plan
         save_entry(KERNELS, disk_key, {str(m): list(v) for m, v in plan.items()})
     return _PLANS[key]
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
-    except OSError:
-        return platform.processor() or "cpu"
 
 
 KERNELS = "linear_kernels.json"
