@@ -294,6 +294,14 @@ def drafter_for_target(
     return rebind_drafter(drafter, target, dtype)
 
 
+def checkpoint_label(folder: str | Path) -> str:
+    """A checkpoint folder's label: ``<row>@<run>`` for a committed ``checkpoints/<run>/<row>`` (never to be taken
+    for a drafter trained in the run at hand), else the folder's name."""
+    folder = Path(folder)
+    committed = folder.resolve().parent.parent.name == "checkpoints"
+    return f"{folder.name}@{folder.parent.name}" if committed else folder.name
+
+
 def drafters_for_run(
     run_dir: str | Path | None,
     target: Target,
@@ -318,8 +326,7 @@ def drafters_for_run(
         clash = folder.name in drafters or (
             root is not None and (root / folder.name / "config.json").is_file()
         )
-        committed = folder.resolve().parent.parent.name == "checkpoints"  # checkpoints/<run>/<row>
-        label = f"{folder.name}@{folder.parent.name}" if clash or committed else folder.name
+        label = f"{folder.name}@{folder.parent.name}" if clash else checkpoint_label(folder)
         drafters[label] = resolve_drafter(str(folder), target, seed, dtype)
     if run_dir is None:
         return drafters, f"Baselines: {', '.join(baselines)}" + (

@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 
 from ..decoding.cli import check_drafter_spec, decode_args, decode_config, load_cli_drafter, load_cli_target
+from ..drafters import checkpoint_label
 from ..target import DECODE_PRECISIONS
 from . import speed_table, speedup
 
@@ -173,5 +174,5 @@ def _write(out: Path, plan, setups, machine: dict, args, done: int):
 
 
 def _label(spec: str) -> str:
-    """A drafter's row label: its name, or its checkpoint folder's name."""
-    return Path(spec).name if Path(spec).is_dir() else spec
+    """A drafter's row label: its name, or its checkpoint folder's (``<row>@<run>`` for a committed one)."""
+    return checkpoint_label(spec) if Path(spec).is_dir() else spec
