@@ -295,3 +295,31 @@ def test_a_row_that_drops_looping_answers_trains_on_the_other_conversations(tiny
     assert part.unique_tokens == sum(len(ids(full.train, i)) for i in keep) < full.unique_tokens
     assert part.what.endswith(f"without the {len(full.train) - len(keep)} conversations whose answers loop")
     assert len(part.held) == len(full.held)  # one held-out set measures every row
+
+
+def test_two_rows_finishing_at_once_both_keep_their_tables(tmp_path, monkeypatch):
+    """Two processes (here threads) merging into the run's tables at the same moment: neither drops the other's row."""
+    import threading
+    import time
+
+    plan = load_plan("reference", smoke=True)
+    read = tables._read
+
+    def slow_read(folder, name):  # widens the read-merge-write window that two finishing rows share
+        time.sleep(0.2)
+        return read(folder, name)
+
+    monkeypatch.setattr(tables, "_read", slow_read)
+    jobs = [pd.DataFrame([dict(job=f"train@{r}", started="2026-11-27 15:20", rows=r)]) for r in ("a", "b")]
+    threads = [
+        threading.Thread(
+            target=tables.update_run, args=(plan, {"reference_jobs.csv": j}, tmp_path), kwargs={"draw": False}
+        )
+        for j in jobs
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    merged = pd.read_csv(tmp_path / "figures" / plan.run_name / "data" / "reference_jobs.csv")
+    assert sorted(merged["rows"]) == ["a", "b"]

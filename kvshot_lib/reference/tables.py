@@ -26,6 +26,7 @@ figures --profile <run>`` redraws them. Every caption gives the unique tokens, t
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pandas as pd
@@ -228,6 +229,27 @@ def update_run(
     data_dir, results = root / "figures" / name / "data", root / "runs" / name / "results"
     results.mkdir(parents=True, exist_ok=True)
     data_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(results / ".update.lock"):  # two rows trained side by side must not drop each other's rows
+        return _merge_and_write(plan, new, data_dir, results, root / "figures" / name, draw)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """Hold an exclusive lock on ``path`` (POSIX; elsewhere no lock: run one process at a time there)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _merge_and_write(plan, new: dict, data_dir: Path, results: Path, figure_dir: Path, draw: bool) -> dict:
     tables = {t: _read(data_dir, t) for t in KEYS}
     for t, df in new.items():
         tables[t] = replace_rows(tables[t], df, KEYS[t])
@@ -241,7 +263,7 @@ def update_run(
         df.to_csv(results / t, index=False)
         df.to_csv(data_dir / t, index=False)  # the merged state: the next update starts from data/
         written.append(t)
-    figures = _publish(plan, tables, results, root / "figures" / name) if draw else []
+    figures = _publish(plan, tables, results, figure_dir) if draw else []
     return dict(tables=written, figures=figures)
 
 
