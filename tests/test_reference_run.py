@@ -3,6 +3,7 @@ extracted once, every row of the plan trained to its plateau rule or token-pass 
 checkpoints within their limits, the MT-bench evaluation, Table 5 with the paper's numbers, the learning curves
 and the figures; a second run reads the finished rows back instead of training them again."""
 
+import dataclasses
 import json
 import math
 
@@ -189,6 +190,18 @@ def test_a_smoke_run_trains_every_row_and_writes_table_5(tmp_path):
     assert len(pd.read_csv(data / "training_history.csv").query("drafter == 'hidden-ttt'")) == len(
         history.query("drafter == 'hidden-ttt'")
     )
+    # asked for with another budget, a finished row is refused, not trained over from scratch
+    before = (
+        tmp_path / "runs" / "reference-smoke" / "drafters" / "hidden-ttt" / "model.safetensors"
+    ).read_bytes()
+    doubled = dataclasses.replace(plan, budget={"token_passes": 2 * plan.budget["token_passes"]})
+    with pytest.raises(PlanError, match=r"row 'hidden-ttt' is trained already .*train_steps .*--budget"):
+        run_reference(
+            doubled, "cpu", ("train",), ["hidden-ttt"], root=tmp_path, progress=False, figures=False
+        )
+    assert (
+        tmp_path / "runs" / "reference-smoke" / "drafters" / "hidden-ttt" / "model.safetensors"
+    ).read_bytes() == before
     with pytest.raises(PlanError, match="steps"):
         run_reference(plan, "cpu", ("fly",), root=tmp_path)
 

@@ -25,6 +25,7 @@ row and after the evaluation (:func:`~.tables.update_run`), so a run stopped hal
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -118,6 +119,7 @@ def train_row(
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     cfg = row.train_config(**({"init_from": init} if init else {}), **overrides)
+    refuse_to_overwrite(out_dir, cfg)
     result = train_drafter(
         target, data.train, data.held, cfg, out_dir, d2t=d2t, resume=resume, progress=progress,
         eval_set=data.eval_set,
@@ -133,6 +135,22 @@ def train_row(
         **machine_of(result),
     )
     return result, summary
+
+
+def refuse_to_overwrite(out_dir: Path, cfg) -> None:
+    """Refuse to train over a finished row that had other settings (say, a stage-1 row asked for without the
+    ``--budget`` it was trained with): the training loop would start afresh and overwrite it."""
+    path = Path(out_dir) / "config.json"
+    extra = json.loads(path.read_text()).get("extra", {}) if path.is_file() else {}
+    old, new = extra.get("train_config") or {}, cfg.as_dict()
+    if not (extra.get("completed") and old) or old == new:
+        return
+    diff = ", ".join(f"{k} {old.get(k)!r} there, {v!r} asked" for k, v in new.items() if old.get(k) != v)
+    raise PlanError(
+        f"row {cfg.name!r} is trained already in {out_dir} with other settings ({diff}); training it again "
+        "would overwrite it. Ask for the settings it was trained with to read it back (e.g. the same --budget), "
+        "or move that folder aside to retrain."
+    )
 
 
 def kv_ablation(plan: Plan, row: Row, result, target, data: RowData) -> pd.DataFrame:
