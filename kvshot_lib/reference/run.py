@@ -119,7 +119,7 @@ def train_row(
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     cfg = row.train_config(**({"init_from": init} if init else {}), **overrides)
-    refuse_to_overwrite(out_dir, cfg)
+    read_back = finished_already(out_dir, cfg)
     result = train_drafter(
         target, data.train, data.held, cfg, out_dir, d2t=d2t, resume=resume, progress=progress,
         eval_set=data.eval_set,
@@ -130,21 +130,24 @@ def train_row(
         epochs=round(summary["train_tokens"] / max(1, data.unique_tokens), 2),
         max_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         responses=data.what,
-        row_seconds=round(time.perf_counter() - t0, 1),
+        row_seconds=summary["seconds"]
+        if read_back
+        else round(time.perf_counter() - t0, 1),  # not the reading
         headline=row.headline,
         **machine_of(result),
     )
     return result, summary
 
 
-def refuse_to_overwrite(out_dir: Path, cfg) -> None:
-    """Refuse to train over a finished row that had other settings (say, a stage-1 row asked for without the
-    ``--budget`` it was trained with): the training loop would start afresh and overwrite it."""
+def finished_already(out_dir: Path, cfg) -> bool:
+    """Whether ``out_dir`` holds this row finished with these settings (then it is read back, not trained).
+    Refuses a finished row that had other settings (say, a stage-1 row asked for without the ``--budget`` it was
+    trained with): the training loop would start afresh and overwrite it."""
     path = Path(out_dir) / "config.json"
     extra = json.loads(path.read_text()).get("extra", {}) if path.is_file() else {}
     old, new = extra.get("train_config") or {}, cfg.as_dict()
     if not (extra.get("completed") and old) or old == new:
-        return
+        return bool(extra.get("completed") and old)
     diff = ", ".join(f"{k} {old.get(k)!r} there, {v!r} asked" for k, v in new.items() if old.get(k) != v)
     raise PlanError(
         f"row {cfg.name!r} is trained already in {out_dir} with other settings ({diff}); training it again "
