@@ -179,7 +179,9 @@ def test_a_committed_checkpoint_beside_a_trained_drafter_of_its_name_keeps_both(
     drafters, _ = drafters_for_run(tmp_path / "run", tiny_llama, ("ngram",), extra=extra)
     assert set(drafters) == {"ngram", "hidden-ttt", "hidden-ttt@reference", "hidden31-ttt@onpolicy"}
     # kvshot bench labels its rows the same way
-    from kvshot_lib.evaluation.cli import _label
+    from kvshot_lib.evaluation import cli as bench_cli
 
-    assert _label(str(extra[-1])) == "hidden31-ttt@onpolicy" and _label("ngram") == "ngram"
-    assert _label(str(tmp_path / "run" / "drafters" / "hidden-ttt")) == "hidden-ttt"
+    assert (
+        bench_cli._label(str(extra[-1])) == "hidden31-ttt@onpolicy" and bench_cli._label("ngram") == "ngram"
+    )
+    assert bench_cli._label(str(tmp_path / "run" / "drafters" / "hidden-ttt")) == "hidden-ttt"
