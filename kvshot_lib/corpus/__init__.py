@@ -42,7 +42,6 @@ from .vllm_engine import VllmGreedy, VllmUnavailable
 __all__ = [
     "long_context",
     "FeatureStore",
-    "looping_conversations",
     "FeatureStoreMismatch",
     "LongPrompt",
     "MTBenchQuestion",
@@ -61,6 +60,7 @@ __all__ = [
     "load_mtbench",
     "load_sharegpt",
     "long_prompts",
+    "looping_conversations",
     "mtbench_messages",
     "normalize_conversation",
     "read_sharegpt_records",

@@ -119,7 +119,7 @@ def train_row(
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     cfg = row.train_config(**({"init_from": init} if init else {}), **overrides)
-    read_back = finished_already(out_dir, cfg)
+    read_back = resume and finished_already(out_dir, cfg)  # resume=False trains afresh, whatever is there
     result = train_drafter(
         target, data.train, data.held, cfg, out_dir, d2t=d2t, resume=resume, progress=progress,
         eval_set=data.eval_set,
@@ -130,9 +130,7 @@ def train_row(
         epochs=round(summary["train_tokens"] / max(1, data.unique_tokens), 2),
         max_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         responses=data.what,
-        row_seconds=summary["seconds"]
-        if read_back
-        else round(time.perf_counter() - t0, 1),  # not the reading
+        row_seconds=summary["seconds"] if read_back else round(time.perf_counter() - t0, 1),
         headline=row.headline,
         **machine_of(result),
     )
