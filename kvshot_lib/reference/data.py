@@ -85,12 +85,11 @@ def row_data(plan: Plan, target, row: Row, progress: bool = True) -> RowData:
     args = (superset, target, base.eval_sequences, base.batch_size, base.max_tokens)
     if base.data_source == "store":  # extracted once, resumable; every store row reuses it
         train = extract_features(target, train, precision=base.mixed_precision)
+        train = train if keep is None else train.subset(keep)  # the whole slice's store; the row reads a view
         held = extract_features(target, held, precision=base.mixed_precision)
         eval_set = EvalSet.build(held, *args)
     else:
-        eval_set = online_eval_set(held, *args)
-    if keep is not None:  # the store is the whole slice's (shared with the other rows); the row reads a view
-        train = train.subset(keep)
+        train, eval_set = kept, online_eval_set(held, *args)
     return RowData(train, held, what, eval_set, unique, mean_length)
 
 

@@ -25,7 +25,6 @@ row and after the evaluation (:func:`~.tables.update_run`), so a run stopped hal
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -141,11 +140,11 @@ def finished_already(out_dir: Path, cfg) -> bool:
     """Whether ``out_dir`` holds this row finished with these settings (then it is read back, not trained).
     Refuses a finished row that had other settings (say, a stage-1 row asked for without the ``--budget`` it was
     trained with): the training loop would start afresh and overwrite it."""
-    path = Path(out_dir) / "config.json"
-    extra = json.loads(path.read_text()).get("extra", {}) if path.is_file() else {}
-    old, new = extra.get("train_config") or {}, cfg.as_dict()
-    if not (extra.get("completed") and old) or old == new:
-        return bool(extra.get("completed") and old)
+    from ..training import finished_config
+
+    old, new = finished_config(out_dir), cfg.as_dict()
+    if old is None or old == new:
+        return old is not None
     diff = ", ".join(f"{k} {old.get(k)!r} there, {v!r} asked" for k, v in new.items() if old.get(k) != v)
     raise PlanError(
         f"row {cfg.name!r} is trained already in {out_dir} with other settings ({diff}); training it again "

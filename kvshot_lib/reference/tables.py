@@ -229,9 +229,8 @@ def update_run(
     data_dir, results = root / "figures" / name / "data", root / "runs" / name / "results"
     results.mkdir(parents=True, exist_ok=True)
     data_dir.mkdir(parents=True, exist_ok=True)
-    with _exclusive(
-        results / ".update.lock"
-    ):  # two rows trained side by side must not drop each other's rows
+    # two rows trained side by side must not drop each other's rows
+    with _exclusive(results / ".update.lock"):
         return _merge_and_write(plan, new, data_dir, results, root / "figures" / name, draw)
 
 

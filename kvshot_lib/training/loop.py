@@ -110,11 +110,15 @@ def build_optimizer(drafter: TrainableDrafter, cfg: TrainConfig) -> torch.optim.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
 
 
+def finished_config(out_dir: str | Path) -> dict | None:
+    """The training config (``TrainConfig.as_dict()``) of the finished run in ``out_dir``; None if none finished there."""
+    path = Path(out_dir) / CONFIG_FILE
+    extra = json.loads(path.read_text()).get("extra", {}) if path.is_file() else {}
+    return (extra.get("train_config") or None) if extra.get("completed") else None
+
+
 def _finished(out: Path, cfg: TrainConfig) -> bool:
-    if not (out / CONFIG_FILE).is_file():
-        return False
-    extra = json.loads((out / CONFIG_FILE).read_text()).get("extra", {})
-    return extra.get("train_config") == cfg.as_dict() and extra.get("completed")
+    return finished_config(out) == cfg.as_dict()
 
 
 def _write_logs(out: Path, logs: dict) -> None:
