@@ -134,7 +134,8 @@ def test_a_smoke_run_trains_every_row_and_writes_table_5(tmp_path):
     assert list(done["state"]) == ["done"] * len(ROWS)
 
     # the evaluation: MT-bench on every trained row and the n-gram baseline, then Table 5 and the figures
-    record = run_reference(plan, "cpu", ("eval",), root=tmp_path, progress=False)
+    with_standard = dataclasses.replace(plan, comparisons=[*plan.comparisons, ("hybrid-ttt", "hidden-ttt")])
+    record = run_reference(with_standard, "cpu", ("eval",), root=tmp_path, progress=False)
     assert {(d["drafter"], d["mode"], d["temperature"]) for d in record["evaluated"]} >= {
         ("hybrid-ttt", "tree", 0.0), ("ngram", "chain", 0.0), ("block-kv", "chain", 1.0)
     }  # fmt: skip
@@ -160,6 +161,8 @@ def test_a_smoke_run_trains_every_row_and_writes_table_5(tmp_path):
     summary = pd.read_csv(data / "acceptance_summary.csv").set_index(["drafter", "mode", "temperature"])
     assert set(vs.query("minus == 'ngram'")["drafter"]) == set(ROWS)
     assert {("kv-ttt", "kv-ttt-zeroed"), ("kv-ttt", "hidden-ttt")} <= set(zip(vs["drafter"], vs["minus"]))
+    # the standard pair asked for again is listed once
+    assert not vs.duplicated(["drafter", "minus", "mode", "temperature"]).any()
     for r in vs.itertuples():
         by_hand = (
             summary.loc[(r.drafter, r.mode, r.temperature), "mat"]

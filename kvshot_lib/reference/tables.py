@@ -154,7 +154,9 @@ def derived_tables(tables: dict, comparisons=(), baseline_pairs=()) -> dict[str,
         out["learning_curves.csv"], out["curve_asymptotes.csv"] = curves, asymptotes(curves)
         names = set(curves["drafter"])
         pairs = comparison_pairs(curves[["drafter", "paradigm", "regime", "target_kv"]])
-        pairs += [(f"{a} - {b}", a, b) for a, b in comparisons if a in names and b in names]
+        # a plan's pair that a standard one gives already is not repeated
+        known = {(a, b) for _, a, b in pairs}
+        pairs += [(f"{a} - {b}", a, b) for a, b in comparisons if {a, b} <= names and (a, b) not in known]
         gaps = gap_by_budget(curves, pairs) if pairs else pd.DataFrame()
         out["gap_by_budget.csv"] = gaps
         out["gap_trends.csv"] = gap_trends(gaps) if not gaps.empty else pd.DataFrame()
