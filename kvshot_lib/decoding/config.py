@@ -14,6 +14,7 @@ from .speed_model import SpeedModel
 
 MODES = ("ar", "chain", "tree")
 SHAPES = ("fixed", "chosen")
+TARGET_CACHES = ("auto", "dynamic", "static")
 
 
 @dataclass
@@ -25,7 +26,12 @@ class DecodeConfig:
     drafting stops when the next node is not worth its cost, and the verified nodes are those that maximize
     expected tokens per second under ``speed`` (a :class:`~.speed_model.SpeedModel`: the measured cost model and the
     acceptance estimates, shared by the generations that pass it). ``lookup=True`` adds prompt lookup's
-    continuation (up to ``lookup_tokens``) to every cycle's proposal, verified in the same forward."""
+    continuation (up to ``lookup_tokens``) to every cycle's proposal, verified in the same forward.
+
+    ``target_cache`` is the target's KV cache: ``dynamic`` (transformers' ``DynamicCache``, grown by concatenation),
+    ``static`` (preallocated and written by slot; on a GPU every decode and verify forward is a CUDA graph replay,
+    :mod:`kvshot_lib.target.graphs`) or ``auto``: static on a GPU, dynamic on a CPU (where the static cache's
+    full-length attention costs more than it saves). Both give the same tokens."""
 
     mode: str = "chain"
     max_new_tokens: int = 128
@@ -42,11 +48,14 @@ class DecodeConfig:
     shape: str = "fixed"  # "fixed" | "chosen" (by expected tokens per second; needs speed)
     lookup: bool = False  # prompt lookup joins the drafter's proposal
     lookup_tokens: int = 8
+    target_cache: str = "auto"  # "auto" | "dynamic" | "static"
     speed: SpeedModel | None = field(default=None, repr=False, compare=False)
 
     def validate(self) -> DecodeConfig:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
+        if self.target_cache not in TARGET_CACHES:
+            raise ValueError(f"target_cache must be one of {TARGET_CACHES}, got {self.target_cache!r}.")
         if self.shape not in SHAPES:
             raise ValueError(f"shape must be one of {SHAPES}, got {self.shape!r}.")
         if self.shape == "chosen" and self.speed is None:
@@ -71,6 +80,15 @@ class DecodeConfig:
             ):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         return self
+
+    def static_cache(self, device) -> bool:
+        """Whether the target decodes on a static cache on ``device`` (``target_cache``; auto: on a GPU)."""
+        return self.target_cache == "static" or (self.target_cache == "auto" and device.type == "cuda")
+
+    def widest_block(self) -> int:
+        """The most tokens one target forward can verify: the root and every node of the largest proposal."""
+        drafts = 0 if self.mode == "ar" else max(self.chain_depth, self.tree_budget)
+        return 1 + drafts + (self.lookup_tokens if self.lookup else 0)
 
 
 @dataclass

@@ -23,6 +23,8 @@ from ..drafters.base import DraftSession, TargetView
 from ..drafters.baselines import NgramDrafter
 from ..target import Target
 from ..target.forward import clone_cache, forward, new_cache
+from ..target.graphs import width_for
+from ..target.static_cache import StaticKVCache, static_cache_for
 from .config import DecodeConfig, GenerationResult
 from .proposal import add_lookup, chosen_chain, chosen_tree, lookup_chain, select_by_value
 from .tree import DraftTree, draft_chain, draft_dynamic_tree
@@ -72,20 +74,28 @@ class Prefill:
 
     @classmethod
     @torch.inference_mode()
-    def run(cls, target: Target, prompt_ids, layers=(), store: dict | None = None) -> Prefill:
+    def run(
+        cls,
+        target: Target,
+        prompt_ids,
+        layers=(),
+        store: dict | None = None,
+        cache: StaticKVCache | None = None,
+    ) -> Prefill:
         """Run ``prompt_ids`` through the target, keeping the hidden states of ``layers``. ``store``: a dict
-        that keeps prefills by prompt and layers, so that a prompt seen before is not run again."""
+        that keeps prefills by prompt and layers, so that a prompt seen before is not run again. ``cache``: an
+        empty static cache to fill (else a new ``DynamicCache``); such a prefill is one generation's own."""
         key = (tuple(torch.as_tensor(prompt_ids).reshape(-1).tolist()), tuple(layers))
-        if store is not None and key in store:
+        if store is not None and key in store and cache is None:
             return store[key]
         model = target.model
         ids = check_prompt(prompt_ids, target.info.max_context).to(model.device)
         t0 = time.perf_counter()
-        cache = new_cache(model)
+        cache = new_cache(model) if cache is None else cache
         out = forward(model, ids, cache, logits_to_keep=1, hidden_states=bool(layers))
         hidden = {layer: out.hidden_states[layer + 1] for layer in layers}  # [1, T, H] each
         pre = cls(ids, cache, out.logits[0, -1], hidden, time.perf_counter() - t0)
-        if store is not None:
+        if store is not None and not isinstance(cache, StaticKVCache):
             store[key] = pre
         return pre
 
@@ -131,13 +141,22 @@ class CycleState:
         self.lookup = NgramDrafter(target.info.vocab_size).new_session() if cfg.lookup else None
         self.t0 = time.perf_counter()
 
-    def prefill(self, layers: tuple[int, ...], shared: Prefill | None = None) -> DynamicCache:
+    def prefill(self, layers: tuple[int, ...], shared: Prefill | None = None) -> DynamicCache | StaticKVCache:
         """Run the prompt (or copy a ``shared`` prefill of it) and commit the target's first token; returns
-        the target's cache, which then holds the prompt."""
+        the target's cache, which then holds the prompt: a static one where ``cfg.target_cache`` says so, sized
+        for the prompt, every new token and the widest block (padded as its graph is)."""
+        model = self.target.model
+        static = None
+        if self.cfg.static_cache(model.device):
+            need = self.prompt_len + self.cfg.max_new_tokens + width_for(self.cfg.widest_block())
+            static = static_cache_for(model, need)
         if shared is not None:
-            pre = shared.copy(self.ids, layers, self.target.model.config)
+            pre = shared.copy(self.ids, layers, model.config)
+            if static is not None:
+                static.load(pre.cache)
+                pre.cache = static
         else:
-            pre = Prefill.run(self.target, self.ids, layers)
+            pre = Prefill.run(self.target, self.ids, layers, cache=static)
         self.result.prefill_s, self.hidden = pre.seconds, pre.hidden
         self.t0 = time.perf_counter() - pre.seconds
         self.commit([choose_token(pre.logits, self.cfg, self.gen)])

@@ -3,6 +3,8 @@
 * :func:`load_target` gives a :class:`Target` (model, tokenizer, :class:`TargetInfo`) for a preset
   (``smollm2-135m``, ``tiny-llama``, ``tiny-qwen3``), a Hugging Face id or a local folder; :func:`random_target`
   one of any shape with random weights (the GPU check's Qwen3-8B shape, :data:`QWEN3_8B_CONFIG`);
+* :class:`StaticKVCache` is the preallocated cache of the fast decode path, written by slot; :mod:`.graphs` is
+  where its forwards are captured as CUDA graphs, one per padded width (:func:`width_for`);
 * :func:`capture` records hidden states, post-RoPE K/V and post-RoPE queries through transformers' own
   seams, and undoes every hook on exit;
 * :mod:`.precision`: ``mixed_precision: auto`` resolved against the hardware (bf16 on a CPU with AMX-BF16 or
@@ -15,6 +17,7 @@ It hands the loaded target and the captured tensors to ``corpus`` (feature extra
 from . import assets
 from .assets import REPO_ROOT, MissingAssetError, cache_dir
 from .capture import Captured, capture, decoder_layers
+from .graphs import WIDTHS, capture_seconds, width_for
 from .loading import (
     DEFAULT_TARGET,
     KNOWN_ARCHITECTURES,
@@ -45,6 +48,7 @@ from .precision import (
     precision_label,
     resolve_precision,
 )
+from .static_cache import StaticKVCache, block_mask, prepare, static_cache_for
 
 __all__ = [
     "Captured",
@@ -58,7 +62,9 @@ __all__ = [
     "QWEN3_8B_CONFIG",
     "REPO_ROOT",
     "SUPPORTED_FAMILIES",
+    "StaticKVCache",
     "TINY_CONFIG",
+    "WIDTHS",
     "Target",
     "TargetInfo",
     "TargetLoadError",
@@ -66,8 +72,10 @@ __all__ = [
     "autocast",
     "bf16_isa",
     "bf16_tier",
+    "block_mask",
     "cache_dir",
     "capture",
+    "capture_seconds",
     "cast_target",
     "cpu_model",
     "decode_dtype",
@@ -75,9 +83,12 @@ __all__ = [
     "load_target",
     "machine_record",
     "precision_label",
+    "prepare",
     "random_target",
     "resolve_precision",
     "smollm2_tokenizer",
+    "static_cache_for",
     "target_architecture",
     "target_shape",
+    "width_for",
 ]

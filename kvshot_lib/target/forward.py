@@ -1,11 +1,14 @@
 """The one seam between the suite and the target model: every forward of the target goes through here.
 
-* :func:`new_cache` gives an empty KV cache for a model, :func:`clone_cache` a private copy of one;
+* :func:`new_cache` gives an empty KV cache for a model (a ``DynamicCache``, or with ``max_len`` a preallocated
+  :class:`~.static_cache.StaticKVCache`), :func:`clone_cache` a private copy of one;
 * :func:`forward` runs new tokens at given positions on a cache (or none), with an optional mask, the hidden
   states of every layer if asked and the logits of the last ``logits_to_keep`` positions; it passes the cache as
   transformers >= 5.24 wants it (``cache=``, which replaced ``past_key_values=``; the dependency floor), and as
   ``past_key_values=`` to a model whose forward has no ``cache`` argument (an older transformers on a borrowed
-  GPU machine): this is the one place that knows both;
+  GPU machine): this is the one place that knows both. On a static cache it writes by slot under a full-length
+  mask, and on a GPU replays the forward as a CUDA graph of the block's padded width (:mod:`.graphs`, where the
+  graphs are captured); the caller sees the same outputs either way;
 * :func:`layer_kv`, :func:`cache_length`, :func:`crop` and :func:`keep_positions` read and cut a cache;
 * :func:`sequence_features` is "the target's features of a batch of sequences": the final hidden state, the hidden
   states of some layers and the post-RoPE K/V of some layers, in one cache-free forward. The feature store, online
@@ -26,11 +29,18 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from .capture import capture
+from .graphs import WIDTHS, StaticOutput, captured, width_for
+from .static_cache import StaticKVCache, prepare
 
 
-def new_cache(model) -> DynamicCache:
-    """An empty KV cache for ``model`` (a loaded target's ``.model``, or its config)."""
-    return DynamicCache(config=getattr(model, "config", model))
+def new_cache(model, max_len: int | None = None) -> DynamicCache | StaticKVCache:
+    """An empty KV cache for ``model`` (a loaded target's ``.model``, or its config): a ``DynamicCache``, or with
+    ``max_len`` a :class:`~.static_cache.StaticKVCache` of that many slots on the model's device and dtype (a
+    model, not a config, then)."""
+    if max_len is None:
+        return DynamicCache(config=getattr(model, "config", model))
+    p = next(model.parameters())
+    return StaticKVCache(model.config, max_len, p.device, p.dtype)
 
 
 def clone_cache(cache: DynamicCache, config) -> DynamicCache:
@@ -60,7 +70,12 @@ def forward(
     """One forward of ``ids [B, n]`` through the whole model (logits included). With ``cache`` the new tokens'
     K/V are appended to it; ``positions [B, n]`` (or ``[1, n]``) default to following the cache; ``mask`` is a
     2-D padding mask ``[B, T_total]`` or a 4-D attention mask; ``logits_to_keep=k`` keeps the last ``k``
-    positions' logits (0: all). Returns transformers' output (``.logits``, ``.hidden_states``)."""
+    positions' logits (0: all). Returns transformers' output (``.logits``, ``.hidden_states``).
+
+    On a :class:`~.static_cache.StaticKVCache` (batch 1) ``mask`` is None (causal) or the block's 4-D mask
+    ``[1, 1, n, past + n]``; on a CUDA device the forward is a replay of the graph of the block's padded width."""
+    if isinstance(cache, StaticKVCache):
+        return _static_forward(model, ids, cache, positions, mask, logits_to_keep, hidden_states)
     return model(
         input_ids=ids,
         **{_cache_argument(type(model)): cache},
@@ -72,10 +87,50 @@ def forward(
     )
 
 
+def _model_call(model, ids, cache, positions, mask, hidden_states, logits_to_keep: int = 0):
+    """The eager forward over a static cache whose write slots are set (what a graph records)."""
+    return model(
+        input_ids=ids,
+        **{_cache_argument(type(model)): cache},
+        use_cache=True,
+        position_ids=positions,
+        attention_mask=mask,
+        logits_to_keep=logits_to_keep,
+        output_hidden_states=hidden_states,
+    )
+
+
+def _static_forward(model, ids, cache: StaticKVCache, positions, mask, logits_to_keep, hidden_states):
+    """:func:`forward` on a static cache. A block of at most ``max(WIDTHS)`` tokens after the prefill runs padded to
+    its graph's width: on a GPU as a replay of that graph, elsewhere eagerly where ``cache.padded`` asks for it (the
+    tests check the padding on a CPU); anything else (the prefill, a CPU by default) runs eagerly at its own width.
+    The cache's length then counts the ``n`` new tokens."""
+    n = ids.shape[1]
+    graphs = cache.device.type == "cuda"
+    fits = (
+        cache.length > 0 and cache.length + width_for(n) <= cache.max_len
+    )  # not a prefill; room for the pad
+    if n <= max(WIDTHS) and fits and (graphs or cache.padded):
+        if graphs:
+            out = captured(_model_call, model, cache, n, hidden_states)(ids, positions, mask)
+        else:
+            ids, positions, full_mask, cache.slots = prepare(cache, ids, positions, mask, width_for(n))
+            out = _model_call(model, ids, cache, positions, full_mask, hidden_states)
+            hidden = tuple(h[:, :n] for h in out.hidden_states) if hidden_states else None
+            out = StaticOutput(out.logits[:, :n], hidden)
+        if logits_to_keep:
+            out.logits = out.logits[:, n - logits_to_keep :]
+    else:
+        ids, positions, full_mask, cache.slots = prepare(cache, ids, positions, mask, n)
+        out = _model_call(model, ids, cache, positions, full_mask, hidden_states, logits_to_keep)
+    cache.length += n
+    return out
+
+
 def layer_kv(cache: DynamicCache, layer: int) -> tuple[Tensor, Tensor]:
     """The cached post-RoPE keys and values of ``layer``: each ``[B, kv_heads, T, head_dim]``."""
-    entry = cache.layers[layer]
-    return entry.keys, entry.values
+    entry, n = cache.layers[layer], cache.get_seq_length()
+    return entry.keys[:, :, :n], entry.values[:, :, :n]
 
 
 def cache_length(cache: DynamicCache) -> int:
@@ -91,6 +146,12 @@ def crop(cache: DynamicCache, length: int) -> None:
 
 def keep_positions(cache: DynamicCache, keep: Tensor) -> None:
     """Keep only the cached positions ``keep [m]`` (sorted indices), in order, in every layer (in place)."""
+    if isinstance(cache, StaticKVCache):  # the buffers stay where they are: a graph reads them
+        for entry in cache.layers:
+            entry.keys[:, :, : len(keep)] = entry.keys.index_select(2, keep)
+            entry.values[:, :, : len(keep)] = entry.values.index_select(2, keep)
+        cache.length = len(keep)
+        return
     for entry in cache.layers:
         entry.keys = entry.keys.index_select(2, keep)
         entry.values = entry.values.index_select(2, keep)
