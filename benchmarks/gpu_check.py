@@ -8,18 +8,27 @@
 The target is built in bf16 on the GPU from a transformers ``Qwen3Config`` at Qwen3-8B's shape (36 layers, hidden
 4096, 32 query / 8 KV heads, head_dim 128, intermediate 12288), with SmolLM2's tokenizer and 49,152-token vocabulary
 instead of Qwen3's 151,936, so that the suite's real ShareGPT and MT-bench pipeline runs unchanged. Each stage
-records its seconds and peak memory (GPU: ``max_memory_allocated``, reset per stage; CPU: the process's peak RSS):
+records its seconds and peak memory (GPU: ``max_memory_allocated``, reset per stage; CPU: the process's peak RSS).
+The stages run most important first, and the JSON and table are written after every one, so a lease that ends
+mid-run leaves what was measured; a stage that would not finish within ``budget_s`` is skipped and says so:
 
-1. ``extraction``: feature extraction tokens/s (``corpus.extract_features``, bytes per token of the store);
-2. ``train_<drafter>``: online training tokens/s of hidden-ttt, kv-ttt and hybrid-ttt (``train_drafter`` with
+1. ``plain_decoding``: plain decoding tokens/s on MT-bench prompts, eagerly on a ``DynamicCache`` and on the fast
+   path (the static cache; on a GPU every step a CUDA graph replay, ``kvshot_lib/target/graphs.py``), with the
+   graphs' capture seconds apart;
+2. ``verification_cost``: c_v(k), one forward of k new tokens on a cache relative to k=1, k up to 64, on the fast
+   path (causal and tree-masked; ``decoding.measure_verification``), and the eager c_v(1) beside it;
+3. ``cycle_overhead``: one speculative cycle's work outside the target's verify forward (drafter steps, tree
+   building, acceptance, commit), per cycle, against c_v(1), for a chain and a tree;
+4. ``greedy_equality``: chain and tree speculative decoding on the fast path against plain decoding, with fresh
+   hidden, KV and hybrid drafters (random in effect: acceptance means nothing here, exactness and cost do) and the
+   target drafting for itself (every draft accepted: multi-token commits), in the target's dtype; and
+   ``greedy_equality_fp32``, the same with the target cast to float32 in place (bf16 may part at near-ties;
+   float32 must not). Each row also says whether the outputs agree up to the first near-tie of plain decoding's
+   logits (a top-2 gap under ``tie_fraction`` of the logits' spread), so that a bf16 difference at a tie is told
+   apart from a wrong mask or slot;
+5. ``train_<drafter>``: online training tokens/s of hidden-ttt, kv-ttt and hybrid-ttt (``train_drafter`` with
    ``data_source="online"``, the target in the loop) at the qwen3-8b profile's batch, length and draft vocabulary;
-3. ``verification_cost``: c_v(k), one forward of k new tokens on a cache relative to k=1, k = 1..64
-   (``decoding.measure_verification``, causal and tree-masked);
-4. ``plain_decoding``: plain decoding tokens/s on MT-bench prompts;
-5. ``greedy_equality``: chain and tree speculative decoding against plain decoding with the drafters just trained
-   (random in effect: acceptance means nothing here, exactness and cost do) and the target drafting for itself
-   (every draft accepted: multi-token commits), in the target's dtype and, on a GPU, again with the target cast to
-   float32 in place (bf16 may part at near-ties; float32 must not).
+6. ``extraction``: feature extraction tokens/s (``corpus.extract_features``, bytes per token of the store).
 
 A failing stage is recorded and the others still run (the exit status is 1). Writes
 ``benchmarks/results/gpu_check_<gpu>.json`` and ``.md``; ``--scale tiny`` runs the same code at toy shapes on a CPU
@@ -45,7 +54,7 @@ import torch
 
 from kvshot_lib import corpus
 from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, generate, measure_verification
-from kvshot_lib.drafters import RandomDrafter, SelfDrafter, drafter_for_target
+from kvshot_lib.drafters import SelfDrafter, build_drafter, drafter_config_for, drafter_for_target
 from kvshot_lib.target import (
     QWEN3_8B_CONFIG,
     REPO_ROOT,
@@ -55,6 +64,7 @@ from kvshot_lib.target import (
     bf16_tier,
     cpu_model,
     random_target,
+    width_for,
 )
 from kvshot_lib.target import forward as target_forward
 from kvshot_lib.training import TrainConfig, build_draft_vocab, train_drafter
@@ -76,20 +86,34 @@ class Scale:
     draft_vocab_size: int = 32000
     train_steps: int = 30
     warm_steps: int = 2  # the first steps (allocation, kernel choice) are left out of tokens/s
-    train_seconds: float = 60.0  # a cap per drafter, so the check fits its budget whatever the GPU
-    budget_s: float = 400.0  # the float32 equality pass (the last, optional stage) starts only within this
-    extract_conversations: int = 16
+    train_seconds: float = 25.0  # a cap per drafter, so the check fits its budget whatever the GPU
+    budget_s: float = (
+        330.0  # 6 minutes of an H100 lease, less start-up: a stage that would end later is skipped
+    )
+    extract_conversations: int = 8
     cv_context: int = 1024
-    cv_sizes: tuple[int, ...] = tuple(range(1, 65))
+    cv_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
     cv_reps: int = 5
     prompts: int = 3  # MT-bench first turns, for plain decoding and greedy equality
     decode_tokens: int = 128
     equality_tokens: int = 48
     chain_depth: int = 6
     tree: dict = field(default_factory=lambda: dict(tree_depth=7, tree_top_k=10, tree_budget=60))
+    tie_fraction: float = (
+        0.05  # a near-tie: plain decoding's top-2 logit gap under this share of the logits' std
+    )
+    # seconds each stage needs at this scale (a stage starts only if it can end within budget_s)
+    needs: dict = field(
+        default_factory=lambda: dict(
+            plain_decoding=40, verification_cost=25, cycle_overhead=25, greedy_equality=45,
+            greedy_equality_fp32=60, train=40, extraction=20,
+        )
+    )  # fmt: skip
 
 
 SCALES = {
+    # initializer_range 0.02 (Qwen3's own) gives near-flat logits: bf16 near-ties then decide most tokens, so the
+    # check reports how far outputs agree before the first tie rather than widening a random model's logits
     "qwen3-8b": Scale(config=QWEN3_8B_CONFIG, dtype="bfloat16", precision="bf16"),
     # toy shapes for a CPU (the same code in seconds); wide weights keep greedy top-2 gaps far above float noise
     "tiny": Scale(
@@ -100,6 +124,8 @@ SCALES = {
         draft_vocab_size=512,
         train_steps=4,
         warm_steps=1,
+        train_seconds=60.0,
+        budget_s=600.0,
         extract_conversations=3,
         cv_context=64,
         cv_sizes=(1, 2, 4, 8),
@@ -109,6 +135,7 @@ SCALES = {
         equality_tokens=12,
         chain_depth=3,
         tree=dict(tree_depth=3, tree_top_k=2, tree_budget=6),
+        needs={},
     ),
 }
 
@@ -207,8 +234,9 @@ def peak_memory_gib(device: str) -> float:
 
 
 @contextmanager
-def stage(stages: dict, name: str, device: str):
-    """One measurement: its seconds and peak memory go into ``stages[name]``; an error is recorded, not raised."""
+def stage(stages: dict, name: str, device: str, save=None):
+    """One measurement: its seconds and peak memory go into ``stages[name]``; an error is recorded, not raised;
+    ``save()`` then writes everything measured so far."""
     row = stages.setdefault(name, {})
     print(f"[gpu-check] {name} ...", flush=True)
     if device.startswith("cuda"):
@@ -224,6 +252,8 @@ def stage(stages: dict, name: str, device: str):
         _sync(device)
         row["seconds"] = round(time.perf_counter() - t0, 2)
         row["peak_memory_gib"] = round(peak_memory_gib(device), 3)
+        if save is not None:
+            save()  # before the line below: a run killed once it is printed has the stage on disk
         print(f"[gpu-check] {name}: {json.dumps(_short(row))}", flush=True)
 
 
@@ -281,67 +311,151 @@ def measure_training(target: Target, train, heldout, d2t, scale: Scale, paradigm
         ttt_steps=cfg.ttt_steps,
         precision=scale.precision,
     )
-    return row, result.drafter
+    return row
 
 
 def verification_cost(target: Target, scale: Scale) -> dict:
-    chain, tree, commit = measure_verification(target, scale.cv_context, scale.cv_sizes, scale.cv_reps)
+    """c_v(k) on the fast path (graph replays at the padded widths on a GPU), and the eager c_v(1) beside it."""
+    args = (target, scale.cv_context, scale.cv_sizes, scale.cv_reps)
+    chain, tree, commit = measure_verification(*args, static=True)
+    eager, _, _ = measure_verification(target, scale.cv_context, (1,), scale.cv_reps, static=False)
     rows = [
         dict(k=k, chain_s=chain[k], tree_s=tree[k], chain_rel=chain[k] / chain[1], tree_rel=tree[k] / tree[1])
         for k in scale.cv_sizes
     ]
-    return dict(context=scale.cv_context, commit_s=commit, k1_ms=1e3 * chain[1], rows=rows)
+    return dict(
+        context=scale.cv_context, commit_s=commit, k1_ms=1e3 * chain[1], eager_k1_ms=1e3 * eager[1], rows=rows
+    )
+
+
+def fast_path(device: str) -> str:
+    return "CUDA graphs over a static cache" if device.startswith("cuda") else "static cache, eager (no GPU)"
 
 
 def plain_decoding(target: Target, prompts: list[list[int]], scale: Scale) -> dict:
-    cfg = DecodeConfig(mode="ar", max_new_tokens=scale.decode_tokens, stop_token_ids=())
-    autoregressive_generate(target, prompts[0], replace(cfg, max_new_tokens=4))  # warm-up
-    runs = [autoregressive_generate(target, p, cfg) for p in prompts]
-    steps = sum(len(r.token_ids) - 1 for r in runs)
-    return dict(
-        prompts=len(runs),
-        new_tokens=scale.decode_tokens,
-        prompt_tokens=[len(p) for p in prompts],
-        tokens_per_s=round(steps / sum(r.verify_s for r in runs), 2),
-        end_to_end_tokens_per_s=round(sum(len(r.token_ids) for r in runs) / sum(r.total_s for r in runs), 2),
+    """Plain decoding tokens/s, eagerly on a DynamicCache (``tokens_per_s``) and on the fast path
+    (``graphs_tokens_per_s``); the first call of each warms up, and captures the fast path's graph."""
+    row = dict(prompts=len(prompts), new_tokens=scale.decode_tokens, prompt_tokens=[len(p) for p in prompts])
+    for key, cache in (("", "dynamic"), ("graphs_", "static")):
+        cfg = DecodeConfig(
+            mode="ar", max_new_tokens=scale.decode_tokens, stop_token_ids=(), target_cache=cache
+        )
+        t0 = time.perf_counter()
+        for p in prompts:  # warm-up; captures the graph of each prompt's cache size
+            autoregressive_generate(target, p, replace(cfg, max_new_tokens=4))
+        warm = time.perf_counter() - t0
+        runs = [autoregressive_generate(target, p, cfg) for p in prompts]
+        steps = sum(len(r.token_ids) - 1 for r in runs)
+        row[f"{key}tokens_per_s"] = round(steps / sum(r.verify_s for r in runs), 2)
+        row[f"{key}end_to_end_tokens_per_s"] = round(
+            sum(len(r.token_ids) for r in runs) / sum(r.total_s for r in runs), 2
+        )
+        row[f"{key}warmup_s"] = round(warm, 2)
+        row[f"{key}outputs"] = [r.token_ids for r in runs]
+    row["graphs_speedup"] = round(row["graphs_tokens_per_s"] / row["tokens_per_s"], 3)
+    row["fast_path"] = fast_path(str(target.model.device))
+    row["same_tokens"] = sum(a == b for a, b in zip(row.pop("outputs"), row.pop("graphs_outputs")))
+    return row
+
+
+def cycle_overhead(target: Target, drafter, prompts: list[list[int]], scale: Scale, cv: dict) -> dict:
+    """Per speculative cycle on the fast path: drafting, the verify step (forward and acceptance rule) and the
+    commit, and what is left once the verify forward's own c_v (at the block's padded width) is taken out."""
+    step_s = {r["k"]: r["chain_s"] for r in cv["rows"]}
+    base = DecodeConfig(
+        max_new_tokens=scale.equality_tokens, stop_token_ids=(), chain_depth=scale.chain_depth, **scale.tree
     )
+    out = {}
+    for mode in ("chain", "tree"):
+        cfg = replace(base, mode=mode, target_cache="static")
+        for p in prompts:  # warm-up; captures the graphs of each prompt's cache size
+            generate(target, p, replace(cfg, max_new_tokens=8), drafter=drafter)
+        runs = [generate(target, p, cfg, drafter=drafter) for p in prompts]
+        cycles = sum(r.n_cycles for r in runs)
+        forward_s = sum(
+            step_s.get(width_for(n + 1), step_s[max(step_s)]) for r in runs for n in r.drafted_per_cycle
+        )
+        spent = {k: sum(getattr(r, f"{k}_s") for r in runs) for k in ("draft", "verify", "commit")}
+        overhead = sum(spent.values()) - forward_s
+        out[mode] = dict(
+            cycles=cycles,
+            nodes_per_cycle=round(sum(sum(r.drafted_per_cycle) for r in runs) / max(1, cycles), 2),
+            **{f"{k}_ms": round(1e3 * v / max(1, cycles), 3) for k, v in spent.items()},
+            verify_forward_ms=round(1e3 * forward_s / max(1, cycles), 3),
+            overhead_ms=round(1e3 * overhead / max(1, cycles), 3),
+            overhead_over_cv1=round(overhead / max(1, cycles) / step_s[1], 3),
+        )
+    return out
+
+
+def near_ties(target: Target, prompt: list[int], tokens: list[int], tie_fraction: float) -> list[bool]:
+    """For each of plain decoding's ``tokens``: whether the logits it was chosen from (one forward of the prompt
+    and the tokens before it) had a top-2 gap under ``tie_fraction`` of their standard deviation."""
+    dev = target.model.device
+    ids = torch.tensor([prompt + tokens[:-1]], device=dev)
+    logits = target_forward.forward(target.model, ids).logits[0, len(prompt) - 1 :].float()  # [n, V]
+    top = logits.topk(2, dim=-1).values  # [n, 2]
+    return ((top[:, 0] - top[:, 1]) < tie_fraction * logits.std(dim=-1)).tolist()
 
 
 def greedy_equality(target: Target, drafters: dict, prompts: list[list[int]], scale: Scale) -> dict:
-    """Every drafter, chain and tree, on every prompt, against plain decoding in the same dtype."""
+    """Every drafter, chain and tree, on the fast path, on every prompt, against plain decoding in the same dtype;
+    ``equal_until_tie``: the outputs agree at least up to plain decoding's first near-tie (:func:`near_ties`)."""
     base = DecodeConfig(
-        max_new_tokens=scale.equality_tokens, stop_token_ids=(), chain_depth=scale.chain_depth
+        max_new_tokens=scale.equality_tokens, stop_token_ids=(), chain_depth=scale.chain_depth, **scale.tree
     )
-    base = replace(base, **scale.tree)
-    rows = []
+    rows, ties = [], []
     for i, prompt in enumerate(prompts):
-        plain = autoregressive_generate(target, prompt, replace(base, mode="ar")).token_ids
+        plain = autoregressive_generate(
+            target, prompt, replace(base, mode="ar", target_cache="dynamic")
+        ).token_ids
+        tied = near_ties(target, prompt, plain, scale.tie_fraction)
+        first_tie = next((j for j, t in enumerate(tied) if t), None)
+        ties += tied
         for name, drafter in drafters.items():
             for mode in ("chain", "tree"):
-                r = generate(target, prompt, replace(base, mode=mode), drafter=drafter)
+                r = generate(target, prompt, replace(base, mode=mode, target_cache="static"), drafter=drafter)
+                diverge = next((j for j, (a, b) in enumerate(zip(r.token_ids, plain)) if a != b), None)
                 rows.append(
                     dict(
                         drafter=name,
                         mode=mode,
                         prompt=i,
                         equal=r.token_ids == plain,
-                        first_divergence=next(
-                            (j for j, (a, b) in enumerate(zip(r.token_ids, plain)) if a != b), None
-                        ),
+                        first_divergence=diverge,
+                        first_near_tie=first_tie,
+                        equal_until_tie=diverge is None or (first_tie is not None and diverge >= first_tie),
                         tokens=len(r.token_ids),
                         mat=1 + sum(r.accepted_per_cycle) / max(1, r.n_cycles),
                     )
                 )
     dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
-    return dict(dtype=dtype, equal=sum(r["equal"] for r in rows), of=len(rows), rows=rows)
+    return dict(
+        dtype=dtype,
+        equal=sum(r["equal"] for r in rows),
+        equal_until_tie=sum(r["equal_until_tie"] for r in rows),
+        of=len(rows),
+        near_tie_share=round(sum(ties) / max(1, len(ties)), 4),
+        rows=rows,
+    )
 
 
-def bound(trained: dict, target: Target, dtype: torch.dtype, seed: int) -> dict:
-    """The trained drafters bound to ``target`` in ``dtype`` (as decoding runs them), a random one if none trained,
-    and ``self`` (the target drafting for itself): its drafts are accepted, so multi-token commits are checked too."""
-    drafters = {name: drafter_for_target(d, target, dtype) for name, d in trained.items()}
-    drafters = drafters or {"random": RandomDrafter(target.info.vocab_size, seed)}
-    return {**drafters, "self": SelfDrafter(target)}
+def fresh_drafters(target: Target, d2t, scale: Scale, seed: int) -> dict:
+    """Untrained hidden, KV and hybrid drafters at the check's draft vocabulary (exactness and cost do not need
+    training)."""
+    return {
+        f"{p}-ttt": build_drafter(
+            drafter_config_for(target, p, draft_vocab_size=len(d2t)), target, d2t, seed=seed
+        )
+        for p in PARADIGMS
+    }
+
+
+def bound(drafters: dict, target: Target, dtype: torch.dtype) -> dict:
+    """``drafters`` bound to ``target`` in ``dtype`` (as decoding runs them), and ``self`` (the target drafting for
+    itself): its drafts are accepted, so multi-token commits are checked too."""
+    out = {name: drafter_for_target(d, target, dtype) for name, d in drafters.items()}
+    return {**out, "self": SelfDrafter(target)}
 
 
 def float32_in_place(target: Target, device: str) -> Target | None:
@@ -359,15 +473,43 @@ def float32_in_place(target: Target, device: str) -> Target | None:
 
 
 def run_check(bundle: Path | None, scale_name: str, device: str, out_dir: Path, seed: int = 0) -> dict:
+    """Every stage, most important first; the result is written after each (:func:`write_results`)."""
     scale = SCALES[scale_name]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if scale_name == "qwen3-8b" and not device.startswith("cuda"):
         raise SystemExit("gpu_check: the qwen3-8b scale needs a CUDA GPU (about 16 GiB of bf16 weights and more); "
                          "on a CPU run --scale tiny.")  # fmt: skip
-    versions = preflight()
     t_start = time.perf_counter()
     stages: dict = {}
+    result = dict(
+        check="gpu_check",
+        scale=scale_name,
+        device=device,
+        machine=machine(),
+        versions=preflight(),
+        complete=False,
+        settings={k: v for k, v in asdict(scale).items() if k != "config"},
+        stages=stages,
+        errors={},
+    )
+
+    def save() -> None:
+        result["errors"] = {k: v["error"] for k, v in stages.items() if "error" in v}
+        result["total_seconds"] = round(time.perf_counter() - t_start, 1)
+        write_results(result, out_dir)
+
+    def due(name: str, key: str | None = None) -> bool:
+        """Whether stage ``name`` can end within the budget; if not it is recorded as skipped."""
+        need = scale.needs.get(key or name, 0)
+        if time.perf_counter() - t_start + need <= scale.budget_s:
+            return True
+        stages[name] = dict(
+            skipped=f"would end past the check's budget of {scale.budget_s:.0f} s (needs ~{need} s)"
+        )
+        save()
+        return False
+
     with bundle_assets(bundle), tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         work = Path(tmp)
         tokenizer = load_tokenizer(bundle)
@@ -376,7 +518,15 @@ def run_check(bundle: Path | None, scale_name: str, device: str, out_dir: Path, 
             "and LM head are smaller than Qwen3-8B's; every other shape is Qwen3-8B's"
         )
         print(f"[gpu-check] {note}", flush=True)
-        with stage(stages, "build", device) as row:
+        result["target"] = dict(
+            architecture={k: v for k, v in scale.config.items() if k != "vocab_size"},
+            family="qwen3",
+            weights=f"random, seed {seed}",
+            dtype=scale.dtype,
+            vocab_size=len(tokenizer),
+            vocabulary_note=note,
+        )
+        with stage(stages, "build", device, save) as row:
             target = random_target(
                 scale.config, "qwen3", tokenizer, device, scale.dtype, seed, name=f"random-{scale_name}"
             )
@@ -384,114 +534,127 @@ def run_check(bundle: Path | None, scale_name: str, device: str, out_dir: Path, 
             row.update(n_params=target.info.n_params, dtype=target.info.dtype)
         if "error" in stages["build"]:
             raise SystemExit(f"gpu_check: the target could not be built: {stages['build']['error']}")
-        n_train = scale.train_steps * scale.batch_size
-        n_eval = scale.batch_size
         split = dict(
-            max_len=scale.max_len, seed=seed, eval_size=4 * n_eval, use_cache=False
-        )  # slack: some are unusable
-        train = corpus.tokenize_sharegpt(tokenizer, "train", n_train, **split)
-        heldout = corpus.tokenize_sharegpt(tokenizer, "eval", n_eval, **split)
-        extract = corpus.tokenize_sharegpt(tokenizer, "train", scale.extract_conversations, **split)
+            max_len=scale.max_len, seed=seed, eval_size=4 * scale.batch_size, use_cache=False
+        )  # slack
+        train = corpus.tokenize_sharegpt(tokenizer, "train", scale.train_steps * scale.batch_size, **split)
+        heldout = corpus.tokenize_sharegpt(tokenizer, "eval", scale.batch_size, **split)
         questions = corpus.load_mtbench(scale.prompts)
         prompts = [corpus.chat_prompt_ids(tokenizer, corpus.mtbench_messages(q)) for q in questions]
-        with stage(stages, "extraction", device) as row:
-            row.update(measure_extraction(target, extract, work, scale.precision))
-        d2t = build_draft_vocab(train, target, scale.draft_vocab_size)
-        trained = {}
-        for paradigm in PARADIGMS:
-            with stage(stages, f"train_{paradigm}-ttt", device) as row:
-                measured, drafter = measure_training(target, train, heldout, d2t, scale, paradigm, work)
-                row.update(measured)
-                trained[f"{paradigm}-ttt"] = drafter
-        with stage(stages, "verification_cost", device) as row:
-            row.update(verification_cost(target, scale))
-        with stage(stages, "plain_decoding", device) as row:
-            row.update(plain_decoding(target, prompts, scale))
-        dtype = next(target.model.parameters()).dtype
-        with stage(stages, "greedy_equality", device) as row:
-            row.update(greedy_equality(target, bound(trained, target, dtype, seed), prompts, scale))
-        if dtype != torch.float32:
-            with stage(stages, "greedy_equality_fp32", device) as row:
-                late = time.perf_counter() - t_start > scale.budget_s
-                fp32 = None if late else float32_in_place(target, device)
-                if late:
-                    row["skipped"] = f"past the check's time budget of {scale.budget_s:.0f} s"
-                elif fp32 is None:
-                    row["skipped"] = "the GPU's free memory cannot hold a float32 copy of the target"
-                else:
-                    row.update(
-                        greedy_equality(fp32, bound(trained, fp32, torch.float32, seed), prompts, scale)
-                    )
-    info = machine()
-    return dict(
-        check="gpu_check",
-        scale=scale_name,
-        device=device,
-        machine=info,
-        versions=versions,
-        target=dict(
-            architecture={k: v for k, v in scale.config.items() if k != "vocab_size"},
-            family="qwen3",
-            weights=f"random, seed {seed}",
-            dtype=scale.dtype,
-            vocab_size=len(tokenizer),
-            vocabulary_note=note,
-        ),
-        data=dict(
+        result["data"] = dict(
             bundle=str(bundle) if bundle else "installed assets",
             train_conversations=len(train),
             mean_tokens_per_conversation=round(train.n_tokens / max(1, len(train)), 1),
             max_len=scale.max_len,
-        ),
-        settings={k: v for k, v in asdict(scale).items() if k != "config"},
-        stages=stages,
-        errors={k: v["error"] for k, v in stages.items() if "error" in v},
-        total_seconds=round(time.perf_counter() - t_start, 1),
-    )
+        )
+        d2t = build_draft_vocab(train, target, scale.draft_vocab_size)
+        dtype = next(target.model.parameters()).dtype
+        drafters = fresh_drafters(target, d2t, scale, seed)
+        if due("plain_decoding"):
+            with stage(stages, "plain_decoding", device, save) as row:
+                row.update(plain_decoding(target, prompts, scale))
+        if due("verification_cost"):
+            with stage(stages, "verification_cost", device, save) as row:
+                row.update(verification_cost(target, scale))
+        cv = stages.get("verification_cost", {})
+        if "rows" in cv and due("cycle_overhead"):
+            with stage(stages, "cycle_overhead", device, save) as row:
+                hidden = bound({"hidden-ttt": drafters["hidden-ttt"]}, target, dtype)["hidden-ttt"]
+                row.update(cycle_overhead(target, hidden, prompts[:2], scale, cv))
+        if due("greedy_equality"):
+            with stage(stages, "greedy_equality", device, save) as row:
+                row.update(greedy_equality(target, bound(drafters, target, dtype), prompts, scale))
+        for paradigm in PARADIGMS:
+            name = f"train_{paradigm}-ttt"
+            if due(name, "train"):
+                with stage(stages, name, device, save) as row:
+                    row.update(measure_training(target, train, heldout, d2t, scale, paradigm, work))
+        if due("extraction"):
+            with stage(stages, "extraction", device, save) as row:
+                extract = corpus.tokenize_sharegpt(tokenizer, "train", scale.extract_conversations, **split)
+                row.update(measure_extraction(target, extract, work, scale.precision))
+        if dtype != torch.float32 and due("greedy_equality_fp32"):  # last: it casts the target in place
+            with stage(stages, "greedy_equality_fp32", device, save) as row:
+                fp32 = float32_in_place(target, device)
+                if fp32 is None:
+                    row["skipped"] = "the GPU's free memory cannot hold a float32 copy of the target"
+                else:
+                    row.update(greedy_equality(fp32, bound(drafters, fp32, torch.float32), prompts, scale))
+    result["complete"] = True
+    save()
+    return result
 
 
 def markdown(result: dict) -> str:
     s = result["stages"]
     mem = "peak GPU memory (GiB)" if result["device"].startswith("cuda") else "peak RSS (GiB)"
+    state = "" if result.get("complete") else " (**incomplete**: the run stopped after the stages below)"
     lines = [
         f"# gpu_check on {result['machine']['gpu'] or result['machine']['cpu']} (scale {result['scale']})",
         "",
-        f"{result['target']['vocabulary_note']}. torch {result['versions']['torch']}, transformers "
-        f"{result['versions']['transformers']}; {result['total_seconds']} s in all.",
+        f"{result.get('target', {}).get('vocabulary_note', '')}. torch {result['versions']['torch']}, transformers "
+        f"{result['versions']['transformers']}; {result.get('total_seconds')} s in all{state}.",
         "",
         f"| measurement | value | {mem} | seconds |",
         "| --- | --- | --- | --- |",
     ]
 
     def row(name: str, what: str, value) -> None:
-        r = s.get(name, {})
+        if name not in s:
+            return
+        r = s[name]
         shown = r.get("error") or r.get("skipped") or value(r)
         lines.append(f"| {what} | {shown} | {r.get('peak_memory_gib', '')} | {r.get('seconds', '')} |")
 
     row("build", "target built (parameters)", lambda r: f"{r['n_params']:,} in {r['dtype']}")
+    row("plain_decoding", "plain decoding, eager (DynamicCache)", lambda r: f"{r['tokens_per_s']} tok/s")
     row(
-        "extraction", "extraction", lambda r: f"{r['tokens_per_s']:,} tok/s, {r['bytes_per_token']:,} B/token"
+        "plain_decoding",
+        "plain decoding, fast path",
+        lambda r: (
+            f"{r['graphs_tokens_per_s']} tok/s ({r['graphs_speedup']}x eager; {r['fast_path']}; "
+            f"warm-up and capture {r['graphs_warmup_s']} s; {r['same_tokens']} of {r['prompts']} outputs as eager's)"
+        ),
     )
+    row(
+        "verification_cost",
+        "c_v(1)",
+        lambda r: (
+            f"{r['k1_ms']:.2f} ms fast path, {r['eager_k1_ms']:.2f} ms eager, on {r['context']} cached tokens"
+        ),
+    )
+    for mode in ("chain", "tree"):
+        row(
+            "cycle_overhead",
+            f"one {mode} cycle outside the verify forward",
+            lambda r, m=mode: (
+                f"{r[m]['overhead_ms']:.2f} ms ({r[m]['overhead_over_cv1']:.2f} x c_v(1); drafting "
+                f"{r[m]['draft_ms']:.2f} ms, {r[m]['nodes_per_cycle']} nodes)"
+            ),
+        )
+    for name in ("greedy_equality", "greedy_equality_fp32"):
+        row(name, f"greedy equality ({name.removeprefix('greedy_equality').strip('_') or 'target dtype'})",
+            lambda r: f"{r['equal']} of {r['of']} equal, {r['equal_until_tie']} up to the first near-tie "
+            f"({r['dtype']}; {100 * r['near_tie_share']:.1f}% of plain decoding's steps are near-ties)")  # fmt: skip
     for p in PARADIGMS:
         row(
             f"train_{p}-ttt",
             f"online training {p}-ttt",
             lambda r: f"{r['tokens_per_s']:,} tok/s ({r['timed_steps']} steps)",
         )
-    row("verification_cost", "c_v(1)", lambda r: f"{r['k1_ms']:.2f} ms on {r['context']} cached tokens")
-    row("plain_decoding", "plain decoding", lambda r: f"{r['tokens_per_s']} tok/s")
-    for name in ("greedy_equality", "greedy_equality_fp32"):
-        if name in s:
-            row(name, f"greedy equality ({name.removeprefix('greedy_equality').strip('_') or 'target dtype'})",
-                lambda r: f"{r['equal']} of {r['of']} equal ({r['dtype']})")  # fmt: skip
+    row(
+        "extraction", "extraction", lambda r: f"{r['tokens_per_s']:,} tok/s, {r['bytes_per_token']:,} B/token"
+    )
     rows = s.get("verification_cost", {}).get("rows", [])
     if rows:
-        lines += ["", "c_v(k), relative to k=1:", "", "| k | chain | tree |", "| --- | --- | --- |"]
         lines += [
-            f"| {r['k']} | {r['chain_rel']:.2f} | {r['tree_rel']:.2f} |"
-            for r in rows
-            if r["k"] in (1, 2, 4, 8, 16, 32, 48, 64)
+            "",
+            "c_v(k) on the fast path, relative to k=1:",
+            "",
+            "| k | chain | tree |",
+            "| --- | --- | --- |",
         ]
+        lines += [f"| {r['k']} | {r['chain_rel']:.2f} | {r['tree_rel']:.2f} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -532,7 +695,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         return manifest
     result = run_check(args.bundle, args.scale, args.device, args.out_dir)
-    dest = write_results(result, args.out_dir)
+    dest = write_results(result, args.out_dir)  # run_check wrote it after every stage; this names it
     print(markdown(result))
     print(f"wrote {dest} and {dest.with_suffix('.md').name}")
     return result

@@ -78,7 +78,17 @@ def test_tiny_check_reports_every_number_positive(result):
     for paradigm in ("hidden", "kv", "hybrid"):
         row = s[f"train_{paradigm}-ttt"]
         assert row["tokens_per_s"] > 0 and row["timed_steps"] >= 1 and row["checkpoint_bytes"] > 0
-    assert s["plain_decoding"]["tokens_per_s"] > 0
+    assert r["complete"] and list(s)[:5] == ["build", "plain_decoding", "verification_cost", "cycle_overhead",
+                                             "greedy_equality"]  # most important first  # fmt: skip
+    plain = s["plain_decoding"]
+    assert plain["tokens_per_s"] > 0 and plain["graphs_tokens_per_s"] > 0
+    assert plain["same_tokens"] == plain["prompts"]  # float32: the fast path decodes plain decoding's tokens
+    assert s["verification_cost"]["eager_k1_ms"] > 0
+    for mode in ("chain", "tree"):
+        cyc = s["cycle_overhead"][mode]
+        assert cyc["cycles"] > 0 and cyc["draft_ms"] > 0
+        # the verify step holds the forward: its measured c_v is a part of it, at most (noise aside) all of it
+        assert 0 < cyc["verify_forward_ms"] < 2 * cyc["verify_ms"]
     for name, row in s.items():
         assert row["seconds"] > 0 and row["peak_memory_gib"] > 0, name
     cost = s["verification_cost"]["rows"]
@@ -86,13 +96,14 @@ def test_tiny_check_reports_every_number_positive(result):
     assert cost[0]["chain_rel"] == 1.0 and all(c["chain_s"] > 0 and c["tree_s"] > 0 for c in cost)
     assert "151,936" in r["target"]["vocabulary_note"]  # says the vocabulary is not Qwen3's
     assert dest.name == f"gpu_check_{r['machine']['name']}_tiny.json"
-    assert "| plain decoding |" in dest.with_suffix(".md").read_text()
+    assert "| plain decoding, fast path |" in dest.with_suffix(".md").read_text()
 
 
 def test_tiny_check_chain_and_tree_equal_plain_decoding(result):
     eq = result[0]["stages"]["greedy_equality"]
-    assert eq["dtype"] == "float32" and eq["of"] == 16  # (3 trained + self) x (chain, tree) x 2 prompts
+    assert eq["dtype"] == "float32" and eq["of"] == 16  # (3 fresh + self) x (chain, tree) x 2 prompts
     assert eq["equal"] == eq["of"], [row for row in eq["rows"] if not row["equal"]]
+    assert eq["equal_until_tie"] == eq["of"] and 0 <= eq["near_tie_share"] < 0.5
     assert {row["mode"] for row in eq["rows"]} == {"chain", "tree"}
     assert max(row["mat"] for row in eq["rows"] if row["drafter"] == "self") > 1  # drafts accepted, committed
 
@@ -102,3 +113,27 @@ def test_the_float32_pass_casts_the_target_in_place(tokenizer):
     fp32 = gpu_check.float32_in_place(target, "cpu")
     assert fp32.model is target.model and fp32.info.dtype == "float32"
     assert {p.dtype for p in fp32.model.parameters()} == {torch.float32}
+
+
+def test_a_check_killed_after_a_stage_leaves_that_stage(bundle, tmp_path):
+    """The result is written after every stage: kill the tiny check once plain decoding is reported, and the JSON
+    on disk holds plain decoding's numbers and says the run is incomplete."""
+    cmd = [sys.executable, "benchmarks/gpu_check.py", "--scale", "tiny", "--bundle", str(bundle)]
+    cmd += ["--out-dir", str(tmp_path), "--threads", "1"]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen(
+        cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("[gpu-check] plain_decoding: {"):
+                proc.kill()
+                break
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    (dest,) = tmp_path.glob("gpu_check_*_tiny.json")
+    r = json.loads(dest.read_text())
+    assert r["complete"] is False and r["stages"]["plain_decoding"]["graphs_tokens_per_s"] > 0
+    assert "greedy_equality" not in r["stages"]
+    assert "incomplete" in dest.with_suffix(".md").read_text()

@@ -40,6 +40,7 @@ from ..drafters.tree_mask import ancestor_matrix, tree_attention_mask
 from ..target import Target
 from ..target.disk_cache import read_table, save_entry
 from ..target.forward import crop, forward, new_cache
+from ..target.graphs import width_for
 from ..target.loading import cast_target
 from ..target.precision import (
     DTYPES,
@@ -49,6 +50,7 @@ from ..target.precision import (
     decode_dtype,
     precision_label,
 )
+from ..target.static_cache import static_cache_for
 from .config import DecodeConfig
 from .cycle import keep_block_positions
 from .engine import speculative_generate
@@ -166,15 +168,24 @@ def _clock(device: torch.device) -> float:
 
 @torch.inference_mode()
 def measure_verification(
-    target: Target, context: int = 256, sizes=BLOCK_SIZES, reps: int = 12, kernel: bool = True
+    target: Target,
+    context: int = 256,
+    sizes=BLOCK_SIZES,
+    reps: int = 12,
+    kernel: bool = True,
+    static: bool | None = None,
 ) -> tuple[dict[int, float], dict[int, float], float]:
     """Seconds (the fastest repetition, made non-decreasing in k) of a ``k``-token forward (causal, then tree-masked) on a cache of ``context`` random
-    tokens for every ``k`` in ``sizes``, and the seconds of a commit; sizes interleaved per repetition."""
+    tokens for every ``k`` in ``sizes``, and the seconds of a commit; sizes interleaved per repetition. ``static``:
+    on the static cache (on a GPU, graph replays at the padded widths; the first round captures them), as decoding
+    runs there; None: as ``target_cache="auto"`` decodes on this device."""
     model = target.model
     dev = model.device
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, min(5000, target.info.vocab_size), (1, context), generator=g).to(dev)
-    cache = new_cache(model)
+    if static is None:
+        static = DecodeConfig().static_cache(dev)
+    cache = static_cache_for(model, context + width_for(max(sizes))) if static else new_cache(model)
     forward(model, prompt, cache, logits_to_keep=1)
     dtype = next(model.parameters()).dtype
     times = defaultdict(list)

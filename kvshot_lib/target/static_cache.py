@@ -146,7 +146,7 @@ def prepare(cache: StaticKVCache, ids: Tensor, positions: Tensor | None, mask: T
     return ids, positions, block_mask(cache, n, width, mask, cache.dtype), slots
 
 
-_POOL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {slots: StaticKVCache}
+_POOL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(slots, dtype): StaticKVCache}
 
 
 def static_cache_for(model, need: int) -> StaticKVCache:
@@ -156,9 +156,9 @@ def static_cache_for(model, need: int) -> StaticKVCache:
     p = next(model.parameters())
     if p.device.type != "cuda":
         return StaticKVCache(model.config, need, p.device, p.dtype)
-    size = max(256, 1 << (need - 1).bit_length())
+    key = (max(256, 1 << (need - 1).bit_length()), p.dtype)  # a model cast in place gets caches of its new dtype
     caches = _POOL.setdefault(model, {})
-    if size not in caches:
-        caches[size] = StaticKVCache(model.config, size, p.device, p.dtype)
-    caches[size].reset()
-    return caches[size]
+    if key not in caches:
+        caches[key] = StaticKVCache(model.config, key[0], p.device, p.dtype)
+    caches[key].reset()
+    return caches[key]
