@@ -353,8 +353,9 @@ def add_cli(sub) -> None:
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="print the memory, disk and time per notebook this run needs (time from benchmarks/gpu_check.py's "
-        "measured rates where a result exists) and run nothing; exit status 2 where this machine is short",
+        help="print the memory, disk and time per notebook this run needs (time from rates measured on a machine "
+        "of this run's kind: benchmarks/results/gpu_check_*.json on a GPU, cpu_rates_*.json on a CPU) and run "
+        "nothing; exit status 2 where this machine is short",
     )
     p.add_argument(
         "--force", action="store_true", help="run even where the estimate says memory or disk is short"
