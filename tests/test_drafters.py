@@ -203,3 +203,28 @@ def test_config_validation(tiny_llama):
         drafter_config_for(tiny_llama, "kv", kv_mode="sideways")
     with pytest.raises(DrafterConfigError, match="hidden_layers"):
         drafter_config_for(tiny_llama, "hidden", hidden_layers=(1, 99))
+
+
+def test_recency_bias_gathers_and_backpropagates_as_indexing_does():
+    """BucketGather (a histogram backward) against plain indexing's values and gradient, distances of both
+    signs and past the window included, in float32 and with a bf16 upstream gradient."""
+    from kvshot_lib.drafters import kv
+
+    BucketGather = kv.BucketGather
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(5, 9, generator=g)  # [h, W + 1]
+    dist = torch.randint(-4, 20, (7, 30), generator=g)  # [n, S]
+    bucket = (dist - 1).clamp(0, 8)
+    for dtype in (torch.float32, torch.bfloat16):
+        upstream = torch.randn(5, 7, 30, generator=g).to(dtype)
+        mine, ref = table.clone().requires_grad_(), table.clone().requires_grad_()
+        out = BucketGather.apply(mine, bucket)
+        want = ref[:, bucket]
+        assert torch.equal(out, want)
+        out.backward(upstream.float())
+        want.backward(upstream.float())
+        torch.testing.assert_close(mine.grad, ref.grad)
+    # a bucket no position falls in gets exactly zero gradient
+    mine = table.clone().requires_grad_()
+    BucketGather.apply(mine, torch.zeros(3, 4, dtype=torch.long)).sum().backward()
+    assert mine.grad[:, 1:].abs().sum() == 0 and torch.all(mine.grad[:, 0] == 12)
