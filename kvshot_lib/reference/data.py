@@ -16,7 +16,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..corpus import cached_regeneration, extract_features, looping_conversations, tokenize_sharegpt
+from ..corpus import (
+    cached_regeneration,
+    cut_looping,
+    extract_features,
+    looping_conversations,
+    tokenize_sharegpt,
+)
 from ..target import assets
 from ..target.assets import REPO_ROOT
 from .plan import Plan, PlanError, Row
@@ -64,7 +70,13 @@ def row_data(plan: Plan, target, row: Row, progress: bool = True) -> RowData:
 
     train, held, what = data_splits(plan, target, row.responses)
     keep = None
-    if row.drop_looping:
+    if row.loops == "cut":  # the same conversations, each loop cut after its first repetition
+        train = cut_looping(train, target.info.eos_token_ids)
+        what += (
+            f", each of its {train.counts['looping_answers_cut']} looping answers cut after its first repetition "
+            f"({train.counts['looping_tokens_cut']:,} tokens)"
+        )
+    if row.loops == "drop":
         looping = looping_conversations(train, target.info.eos_token_ids)
         keep = [i for i, bad in enumerate(looping) if not bad]
         if not keep:

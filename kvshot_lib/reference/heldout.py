@@ -3,7 +3,7 @@
 Each run measures its rows on its own held-out set (the on-policy run on the target's own answers, the reference
 run on ShareGPT's original ones), so their held-out curves cannot be set side by side. :func:`cross_heldout`
 measures the run's trained rows and the baseline run's committed checkpoints (``<row>@<run>``, the plan's
-``baseline`` pairs) on *both* sets, with each drafter's own draft vocabulary and the plans' held-out settings,
+``baseline`` pairs) on *both* sets (and on the regenerated set's loop-free view), with each drafter's own draft vocabulary and the plans' held-out settings,
 into ``heldout_cross.csv``: one row per (drafter, held-out set, draft step) with the accuracy, its count ``n``,
 the draft vocabulary's ``ceiling`` on that set, the answers the drafter trained on and its token-passes.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm.auto import tqdm
 
-from ..corpus import extract_features
+from ..corpus import cut_looping, extract_features
 from .data import data_splits
 from .plan import Plan, PlanError, load_plan
 
@@ -31,9 +31,14 @@ def baseline_plan(plan: Plan) -> Plan | None:
     return load_plan(plan.baseline["run"], smoke=plan.smoke) if plan.baseline else None
 
 
+LOOP_FREE = "regenerated, loops cut"
+
+
 def heldout_sets(plan: Plan, target) -> dict:
     """``{answers: held-out feature store}`` of the plan and of its baseline run (extracted once, cached), keyed by
-    the answers each holds: ``original`` or ``regenerated``."""
+    the answers each holds: ``original`` or ``regenerated``, and for regenerated answers also their loop-free view
+    (:data:`LOOP_FREE`: each loop cut after its first repetition, ``corpus.cut_looping``), where a drafter's
+    accuracy is not inflated by predicting a repetition."""
     plans = [p for p in (plan, baseline_plan(plan)) if p is not None]
     out = {}
     for p in plans:
@@ -46,6 +51,9 @@ def heldout_sets(plan: Plan, target) -> dict:
                 "regenerate the on-policy run's first (--steps regenerate)."
             )
         out[answers] = extract_features(target, held, precision=precision)
+        if answers == "regenerated":
+            free = cut_looping(held, target.info.eos_token_ids)
+            out[LOOP_FREE] = extract_features(target, free, precision=precision)
     return out
 
 

@@ -8,8 +8,10 @@ differ from the shared ``training`` ones, and four keys of its own:
   checkpoint"); ``init_from: target`` starts a KV drafter's attention from the target layers it reads (a
   :class:`TrainConfig` value); ``kv_mode: best`` takes the profile's ``best_kv_mode``;
 * ``responses: original | regenerated`` overrides the data's responses for this row;
-* ``drop_looping: true`` trains without the conversations one of whose answers ends in a loop
-  (:func:`~kvshot_lib.corpus.looping_conversations`; the regenerated answers of a small target often do).
+* ``loops: drop`` trains without the conversations one of whose answers ends in a loop
+  (:func:`~kvshot_lib.corpus.looping_conversations`; the regenerated answers of a small target often do);
+  ``loops: cut`` keeps them, with each loop cut after its first repetition (:func:`~kvshot_lib.corpus.cut_looping`);
+  ``loops: keep`` (the default) trains on the answers as generated.
 
 Beside the rows: ``data`` (the ShareGPT slices), ``budget`` (``token_passes``: the cap every row trains to at
 most, turned into optimizer steps on the data, see :func:`~.data.train_steps_for`), ``checkpoints`` (the limits
@@ -29,8 +31,9 @@ from dataclasses import dataclass, field
 from ..runner import load_profile
 from ..training import TrainConfig, TrainConfigError
 
-ROW_KEYS = ("name", "like", "headline", "responses", "paper", "drop_looping")
+ROW_KEYS = ("name", "like", "headline", "responses", "paper", "loops")
 RESPONSES = ("regenerated", "original")
+LOOPS = ("keep", "drop", "cut")
 
 
 class PlanError(ValueError):
@@ -45,7 +48,7 @@ class Row:
     responses: str = "regenerated"
     init_row: str | None = None  # the row whose checkpoint init_from names
     paper: str = ""  # the line of the paper's Table 5 this row stands for (reference_table.csv)
-    drop_looping: bool = False  # train without the conversations whose answers loop (regenerated responses)
+    loops: str = "keep"  # answers that loop: kept, their conversations dropped, or the loops cut
 
     def train_config(self, **overrides) -> TrainConfig:
         return TrainConfig.from_params({**self.params, "name": self.name, **overrides})
@@ -189,9 +192,9 @@ def _rows(specs: list, training: dict, best_kv_mode: str, responses: str) -> dic
         headline = bool(own.pop("headline", False))
         paper = str(own.pop("paper", ""))
         resp = own.pop("responses", responses)
-        drop_looping = own.pop("drop_looping", False)
-        if not isinstance(drop_looping, bool):
-            raise PlanError(f"row {name!r}: drop_looping must be true or false, got {drop_looping!r}.")
+        loops = own.pop("loops", "keep")
+        if loops not in LOOPS:
+            raise PlanError(f"row {name!r}: loops must be one of {LOOPS}, got {loops!r}.")
         own.pop("name")
         if resp not in RESPONSES:
             raise PlanError(f"row {name!r}: responses must be one of {RESPONSES}, got {resp!r}.")
@@ -209,5 +212,5 @@ def _rows(specs: list, training: dict, best_kv_mode: str, responses: str) -> dic
             TrainConfig.from_params({**params, "name": name})
         except TrainConfigError as e:
             raise PlanError(f"row {name!r}: {e}") from None
-        rows[name] = Row(name, params, headline, resp, init_row, paper, drop_looping)
+        rows[name] = Row(name, params, headline, resp, init_row, paper, loops)
     return rows

@@ -174,7 +174,7 @@ def train_rows(plan: Plan, target, names: list[str], root: Path, progress: bool,
     limits = {"max_file_mb": 16, "max_total_mb": 60, **plan.checkpoints}
     for i, name in enumerate(names):
         row = plan.row(name)
-        key = (row.responses, row.params.get("data_source"), row.drop_looping)
+        key = (row.responses, row.params.get("data_source"), row.loops)
         data[key] = data.get(key) or row_data(plan, target, row, progress)
         d2t = d2t if d2t is not None else draft_vocab(plan, target, row.train_config().draft_vocab_size)
         steps = train_steps_for(plan, row, data[key])
@@ -203,7 +203,7 @@ def regenerate_split(plan: Plan, target, split: str, max_seconds=None, conversat
         target, split, n, max_len=d["max_len"], seed=plan.seed, max_new_tokens=r["max_new_tokens"],
         max_turns=r["max_turns"], batch_size=r["batch_size"], shard_size=r.get("shard_size", max(r["batch_size"], 64)),
         progress=progress, conversations=conversations, max_seconds=max_seconds, min_len=int(d.get("min_len", 0)),
-        engine=r.get("engine", "suite"), root=regeneration_root(plan),
+        engine=r.get("engine", "suite"), root=regeneration_root(plan), stop_at_loop=bool(r.get("stop_at_loop", False)),
     )  # fmt: skip
     return regen, regeneration_root(plan) / regen.spec["regenerated_dir"]
 
