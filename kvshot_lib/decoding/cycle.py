@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from ..drafters.base import DraftSession, TargetView
 from ..drafters.baselines import NgramDrafter
 from ..target import Target
-from ..target.forward import clone_cache, forward, new_cache
+from ..target.forward import clone_cache, forward, new_cache, prepare_graphs
 from ..target.graphs import width_for
 from ..target.static_cache import StaticKVCache, static_cache_for
 from .config import DecodeConfig, GenerationResult
@@ -157,6 +157,8 @@ class CycleState:
                 pre.cache = static
         else:
             pre = Prefill.run(self.target, self.ids, layers, cache=static)
+        if static is not None:  # on a GPU: every width's graph now, not in the middle of the generation
+            prepare_graphs(model, static, self.cfg.widest_block(), bool(layers))
         self.result.prefill_s, self.hidden = pre.seconds, pre.hidden
         self.t0 = time.perf_counter() - pre.seconds
         self.commit([choose_token(pre.logits, self.cfg, self.gen)])

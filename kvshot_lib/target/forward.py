@@ -127,6 +127,14 @@ def _static_forward(model, ids, cache: StaticKVCache, positions, mask, logits_to
     return out
 
 
+def prepare_graphs(model, cache, widest: int, hidden_states: bool) -> None:
+    """Capture now every graph a decode of blocks up to ``widest`` tokens can replay on ``cache`` (a static cache on a
+    GPU; nothing elsewhere), so that none is captured in the middle of a timed generation."""
+    if isinstance(cache, StaticKVCache) and cache.device.type == "cuda":
+        for w in WIDTHS[: WIDTHS.index(width_for(min(widest, max(WIDTHS)))) + 1]:
+            captured(_model_call, model, cache, w, hidden_states)
+
+
 def layer_kv(cache: DynamicCache, layer: int) -> tuple[Tensor, Tensor]:
     """The cached post-RoPE keys and values of ``layer``: each ``[B, kv_heads, T, head_dim]``."""
     entry, n = cache.layers[layer], cache.get_seq_length()

@@ -150,13 +150,17 @@ _POOL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(slo
 
 
 def static_cache_for(model, need: int) -> StaticKVCache:
-    """An empty static cache of at least ``need`` slots for ``model``. On a GPU one cache per power-of-two size is
-    kept with the model, so a later generation replays the graphs an earlier one captured; on a CPU a fresh cache of
-    exactly ``need`` slots (attention reads every slot: no more than needed)."""
+    """An empty static cache of at least ``need`` slots for ``model``. On a GPU one cache per power-of-two size (at
+    least 2,048 slots: every MT-bench turn fits one, so a benchmark's warm-up captures every graph it will replay) is
+    kept with the model, so a later generation replays the graphs an earlier one captured; on a CPU a fresh cache
+    of exactly ``need`` slots (attention reads every slot: no more than needed)."""
     p = next(model.parameters())
     if p.device.type != "cuda":
         return StaticKVCache(model.config, need, p.device, p.dtype)
-    key = (max(256, 1 << (need - 1).bit_length()), p.dtype)  # a model cast in place gets caches of its new dtype
+    key = (
+        max(256, 1 << (need - 1).bit_length()),
+        p.dtype,
+    )  # a model cast in place gets caches of its new dtype
     caches = _POOL.setdefault(model, {})
     if key not in caches:
         caches[key] = StaticKVCache(model.config, key[0], p.device, p.dtype)
