@@ -8,10 +8,10 @@ from collections import namedtuple
 
 import pytest
 
-from kvshot_lib import cli, needs, runner
+from kvshot_lib import cli, needs, run_time, runner
 from kvshot_lib.target import QWEN3_8B_CONFIG
 
-RESULTS = needs.RESULTS_DIR
+RESULTS = run_time.RESULTS_DIR
 
 Usage = namedtuple("Usage", "total used free")
 
@@ -79,10 +79,10 @@ def test_time_and_training_memory_come_from_a_gpu_check_result(tmp_path, monkeyp
         },
     )
     (tmp_path / "gpu_check_some-gpu.json").write_text(json.dumps(result))
-    monkeypatch.setattr(needs, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(needs, "RESULTS_DIR", tmp_path)  # where plan_needs looks for rates
     report, _ = runner.check_needs("qwen3-8b", only=["05"])
     row = next(line.split() for line in report.splitlines() if line.startswith("05"))
-    weights = needs.target_params(dict(QWEN3_8B_CONFIG)) * 2 / needs.GIB
+    weights = run_time.target_params(dict(QWEN3_8B_CONFIG)) * 2 / needs.GIB
     assert float(row[1]) == pytest.approx(40.0 - 14.0 + weights, abs=0.05)  # the measured peak, real weights
     # 12 runs at 1,000 tok/s, each 1,000 steps + 20 gradient probes (every 50) of 2 x 1,000 tokens, and two
     # held-out evaluations of 200 sequences x 1,000 tokens, forward only (a third of a step's cost per token)
@@ -158,7 +158,7 @@ def test_greedy_replay_is_costed_as_replay_not_as_decoding():
         64 / 1.5 * 1.5 * 0.01 * 0.1 + 64 / 1.5 * 7 * 0.01 * 0.1
     )  # chain: calls up to the first wrong draft
     hidden = 64 / 1.6 * 1.6 * 0.1 * 0.1 + 64 / 2.3 * 7 * 0.1 * 0.1  # tree: every level drafted
-    got = needs.acceptance_seconds(p, full, needs.Rates(RATES))
+    got = run_time.acceptance_seconds(p, full, run_time.Rates(RATES))
     assert got == pytest.approx(references + passes + lookup + hidden)
     assert got < references + 2 * 2 * 64 * 0.1  # far below every drafter's tokens at the plain-decoding rate
 
@@ -167,25 +167,25 @@ def test_the_engine_at_t1_pays_a_verification_forward_per_cycle():
     """T>0: tokens / MAT cycles, each c_v(k) / c_v(1) (measured: 1.5 at k = 9) plain steps and 8 drafter steps."""
     rates = dict(RATES, stages=dict(RATES["stages"], verification_cost=dict(
         rows=[dict(k=1, chain_rel=1.0, tree_rel=1.0), dict(k=9, chain_rel=1.5, tree_rel=1.4)])))  # fmt: skip
-    d = needs.Drafter("hidden-ttt")
-    got = needs.speculative_seconds(640, d, "chain", 8, 9, needs.Rates(rates))
+    d = run_time.Drafter("hidden-ttt")
+    got = run_time.speculative_seconds(640, d, "chain", 8, 9, run_time.Rates(rates))
     assert got == pytest.approx(640 / 1.6 * (1.5 + 8 * 0.1) * 0.1)
 
 
 def test_the_cuda_graph_rate_is_preferred_where_the_check_measured_it():
     eager = dict(stages=dict(plain_decoding=dict(tokens_per_s=22.35)))
     graphs = dict(stages=dict(plain_decoding=dict(tokens_per_s=22.35, graphs_tokens_per_s=104.9)))
-    assert needs.Rates(eager).decode() == 22.35 and needs.Rates(graphs).decode() == 104.9
-    assert needs.Rates(graphs).hf_decode == 22.35  # transformers' own generate stays eager
+    assert run_time.Rates(eager).decode() == 22.35 and run_time.Rates(graphs).decode() == 104.9
+    assert run_time.Rates(graphs).hf_decode == 22.35  # transformers' own generate stays eager
 
 
 def test_a_drafter_step_comes_from_a_measurement_where_there_is_one():
     """A one-layer drafter's step: the CPU table's measured step, else the check's chain cycle overhead per
     drafted token (0.6 c_v(1) over 6 drafts), else 2 of the target's 36 layers; a 5-layer block drafter, 3x."""
-    table = needs.Rates(dict(stages=dict(drafting=dict(step_rel=0.05))))
-    check = needs.Rates(dict(settings=dict(chain_depth=6), stages=dict(cycle_overhead=dict(
+    table = run_time.Rates(dict(stages=dict(drafting=dict(step_rel=0.05))))
+    check = run_time.Rates(dict(settings=dict(chain_depth=6), stages=dict(cycle_overhead=dict(
         chain=dict(overhead_over_cv1=0.6)))))  # fmt: skip
-    bare = needs.Rates(dict(stages={}), dict(QWEN3_8B_CONFIG))
+    bare = run_time.Rates(dict(stages={}), dict(QWEN3_8B_CONFIG))
     assert table.draft_step(1) == 0.05 and check.draft_step(1) == pytest.approx(0.1)
     assert bare.draft_step(1) == pytest.approx(2 / 36) and bare.draft_step(5) == pytest.approx(3 * 2 / 36)
 
@@ -193,9 +193,11 @@ def test_a_drafter_step_comes_from_a_measurement_where_there_is_one():
 def test_rates_of_another_target_are_scaled_by_parameters():
     big = dict(QWEN3_8B_CONFIG, vocab_size=49152)
     result = dict(target=dict(architecture=big, vocab_size=49152), stages=RATES["stages"])
-    rates = needs.Rates(result, SMOLLM2)
+    rates = run_time.Rates(result, SMOLLM2)
     assert not rates.same_target and rates.bytes_per_token is None  # the store is sized from SmolLM2's shape
-    assert rates.decode() == pytest.approx(10.0 * needs.target_params(big) / needs.target_params(SMOLLM2))
+    assert rates.decode() == pytest.approx(
+        10.0 * run_time.target_params(big) / run_time.target_params(SMOLLM2)
+    )
 
 
 def test_the_qwen3_8b_speed_table_is_sized_for_5_percent_intervals():

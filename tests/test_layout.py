@@ -24,6 +24,7 @@ RANK = {
     "evaluation": 4,
     "diagnostics": 5,
     "plots": 5,
+    "run_time": 4,  # how long each notebook of a profile takes (rates, work): needs asks it
     "needs": 5,  # what a profile needs (memory, disk, time): the runner asks it before a run
     "runner": 6,
     "reference": 7,
