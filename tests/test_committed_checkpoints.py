@@ -52,6 +52,7 @@ def test_a_committed_drafter_is_bf16_loads_and_refuses_another_target(smollm2, r
         load_drafter(folder, load_target("tiny-llama", device="cpu"))
 
 
+@pytest.mark.slow  # ~11 s each on SmolLM2: make test-slow, which CI runs, keeps make test within its budget
 @pytest.mark.parametrize("row", ROWS)
 def test_a_committed_drafter_decodes_losslessly(smollm2, row):
     drafter = load_drafter(CHECKPOINTS / row, smollm2)

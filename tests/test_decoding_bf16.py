@@ -123,6 +123,7 @@ def test_drafter_for_target_keeps_the_learned_weights(pair):
     assert bound._frozen.embed_weight is t16.model.model.embed_tokens.weight
 
 
+@pytest.mark.slow  # ~28 s of timing loops: make test-slow, which CI runs
 def test_cost_model_is_measured_once_and_reused(tmp_path, monkeypatch):
     """The first call measures verification (k = 1..64, chain and tree) and each drafter, and saves them under
     the cache; the second reads them back without measuring; a synthetic model interpolates between sizes."""
