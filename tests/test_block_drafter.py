@@ -307,6 +307,7 @@ def copy_accuracy(d, batch, K):
     ]
 
 
+@pytest.mark.slow  # ~5 s each: make test-slow, which CI runs
 @pytest.mark.parametrize("context", CONTEXTS)
 def test_learns_what_only_the_context_tells(tiny_llama, context):
     K, accuracy = 3, {}

@@ -56,6 +56,7 @@ def test_the_run_budget_leaves_out_a_checkpoint_that_does_not_fit(tiny_llama, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # nothing half-written is left behind
 
 
+@pytest.mark.slow  # ~8 s: make test-slow, which CI runs
 def test_kvshot_generate_takes_a_committed_checkpoint(tiny_llama, tmp_path):
     """What a fresh clone does: ``kvshot generate --drafter checkpoints/<run>/<row>``, no training, no runs/."""
     commit_checkpoint(trained_like(tiny_llama, "hybrid"), tmp_path / "hybrid-ttt", max_file_mb=LIMIT_MB)

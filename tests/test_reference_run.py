@@ -76,6 +76,7 @@ def test_a_bad_plan_is_refused_before_anything_runs(tmp_path):
         load_plan(str(bad))
 
 
+@pytest.mark.slow  # ~16 s: make test-slow, which CI runs
 def test_a_smoke_run_trains_every_row_and_writes_table_5(tmp_path):
     plan = load_plan("reference", smoke=True)
     record = run_reference(plan, "cpu", ("train",), root=tmp_path, progress=False, figures=False)

@@ -36,6 +36,7 @@ N_TOKENS = 4
 SAMPLED = dict(temperature=1.0, top_k=TOP_K, max_new_tokens=N_TOKENS, stop_token_ids=())
 
 
+@pytest.mark.slow  # ~9 s each: make test-slow, which CI runs
 @pytest.mark.parametrize("mode", ["ar", "chain"])
 def test_strict_mode_follows_the_full_distribution_under_sampling(small, mode):  # noqa: F811
     joint = exact_joint(small, PROMPT, N_TOKENS, 1.0, TOP_K)
