@@ -323,6 +323,35 @@ def test_a_row_that_drops_looping_answers_trains_on_the_other_conversations(tiny
     assert len(part.held) == len(full.held)  # one held-out set measures every row
 
 
+def test_a_row_that_cuts_loops_trains_on_every_conversation_with_its_loops_cut(tiny_llama, monkeypatch):
+    from kvshot_lib.corpus import TokenizedSplit
+    from kvshot_lib.reference import data as reference_data
+
+    plan = load_plan("onpolicy", smoke=True)
+    full = reference_data.row_data(plan, tiny_llama, plan.row("hidden31-ttt"), progress=False)
+    ids = lambda store, i: store.sequence(i, ["input_ids"])["input_ids"]  # noqa: E731
+
+    def cut_first_three(split, stops):  # a stand-in cut: the smoke run's 8-token answers cannot loop
+        out = [x[:-3] if i % 2 == 0 else x for i, x in enumerate(split.ids)]
+        masks = [m[: len(x)] for m, x in zip(split.loss_mask, out)]
+        counts = dict(
+            split.counts,
+            looping_answers_cut=(len(out) + 1) // 2,
+            looping_tokens_cut=3 * ((len(out) + 1) // 2),
+        )
+        return TokenizedSplit(out, masks, list(split.source_ids), dict(split.spec, loops="cut"), counts)
+
+    monkeypatch.setattr(reference_data, "cut_looping", cut_first_three)
+    cut = reference_data.row_data(plan, tiny_llama, plan.row("hidden31-ttt-cut"), progress=False)
+    assert len(cut.train) == len(full.train)  # every conversation kept
+    for i in range(len(full.train)):
+        want = ids(full.train, i)[:-3] if i % 2 == 0 else ids(full.train, i)
+        assert torch.equal(ids(cut.train, i), want)
+    assert cut.unique_tokens == full.unique_tokens - 3 * ((len(full.train) + 1) // 2)
+    assert "looping answers cut after its first repetition" in cut.what
+    assert ("hidden31-ttt-cut", "hidden31-ttt-noloop") in plan.comparisons
+
+
 def test_two_rows_finishing_at_once_both_keep_their_tables(tmp_path, monkeypatch):
     """Two processes (here threads) merging into the run's tables at the same moment: neither drops the other's row."""
     import threading
