@@ -577,7 +577,7 @@ def run_check(bundle: Path | None, scale_name: str, device: str, out_dir: Path, 
         if due("greedy_equality"):
             with stage(stages, "greedy_equality", device, save) as row:
                 row.update(greedy_equality(target, bound(drafters, target, dtype), prompts, scale))
-        # kv-ttt trained 3.5x slower than hidden-ttt on an H100 (issue 47). The suspect: its learned recency bias
+        # kv-ttt trained 3.5x slower than hidden-ttt on an H100. The suspect: its learned recency bias
         # (TrainConfig.kv_recency, on for kv only) gathers a [heads, T, T] table whose backward scatters ~10^8
         # elements into [heads, W + 1] per layer and TTT step; the last row times kv-ttt without it.
         for name, paradigm, over in TRAINING_ROWS:

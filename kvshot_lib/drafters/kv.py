@@ -63,7 +63,7 @@ class BucketGather(torch.autograd.Function):
     """``table[:, bucket]``: ``[h, B]`` by ``[n, S]`` long -> ``[h, n, S]``, whose backward adds each position's
     gradient into its bucket (``scatter_add_``: atomics on a GPU, no sort, no host sync). Indexing's own backward
     (``index_put_`` with accumulate) sorts all ``h * n * S`` indices on a GPU first: ~10^8 per layer and TTT step at
-    Qwen3-8B's shape, the suspect of kv-ttt training 3.5x slower than hidden-ttt on an H100 (issue 47). On a CPU
+    Qwen3-8B's shape, the suspect of kv-ttt training 3.5x slower than hidden-ttt on an H100. On a CPU
     the two cost the same. Same values and gradient (``tests/test_drafters.py``)."""
 
     @staticmethod
