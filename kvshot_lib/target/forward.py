@@ -1,7 +1,7 @@
 """The one seam between the suite and the target model: every forward of the target goes through here.
 
-* :func:`new_cache` gives an empty KV cache for a model (a ``DynamicCache``, or with ``max_len`` a preallocated
-  :class:`~.static_cache.StaticKVCache`), :func:`clone_cache` a private copy of one;
+* :func:`new_cache` gives an empty KV cache for a model, :func:`clone_cache` a private copy of one (the static
+  cache of the fast decode path is :class:`~.static_cache.StaticKVCache`);
 * :func:`forward` runs new tokens at given positions on a cache (or none), with an optional mask, the hidden
   states of every layer if asked and the logits of the last ``logits_to_keep`` positions; it passes the cache as
   transformers >= 5.24 wants it (``cache=``, which replaced ``past_key_values=``; the dependency floor), and as
@@ -33,14 +33,10 @@ from .graphs import WIDTHS, StaticOutput, captured, width_for
 from .static_cache import StaticKVCache, prepare
 
 
-def new_cache(model, max_len: int | None = None) -> DynamicCache | StaticKVCache:
-    """An empty KV cache for ``model`` (a loaded target's ``.model``, or its config): a ``DynamicCache``, or with
-    ``max_len`` a :class:`~.static_cache.StaticKVCache` of that many slots on the model's device and dtype (a
-    model, not a config, then)."""
-    if max_len is None:
-        return DynamicCache(config=getattr(model, "config", model))
-    p = next(model.parameters())
-    return StaticKVCache(model.config, max_len, p.device, p.dtype)
+def new_cache(model) -> DynamicCache:
+    """An empty KV cache for ``model`` (a loaded target's ``.model``, or its config); a static one comes from
+    :func:`~.static_cache.static_cache_for`."""
+    return DynamicCache(config=getattr(model, "config", model))
 
 
 def clone_cache(cache: DynamicCache, config) -> DynamicCache:
@@ -76,23 +72,15 @@ def forward(
     ``[1, 1, n, past + n]``; on a CUDA device the forward is a replay of the graph of the block's padded width."""
     if isinstance(cache, StaticKVCache):
         return _static_forward(model, ids, cache, positions, mask, logits_to_keep, hidden_states)
+    return _model_call(model, ids, cache, positions, mask, hidden_states, logits_to_keep)
+
+
+def _model_call(model, ids, cache, positions, mask, hidden_states, logits_to_keep: int = 0):
+    """The model's own forward (on a static cache: with its write slots set; what a graph records)."""
     return model(
         input_ids=ids,
         **{_cache_argument(type(model)): cache},
         use_cache=cache is not None,
-        position_ids=positions,
-        attention_mask=mask,
-        logits_to_keep=logits_to_keep,
-        output_hidden_states=hidden_states,
-    )
-
-
-def _model_call(model, ids, cache, positions, mask, hidden_states, logits_to_keep: int = 0):
-    """The eager forward over a static cache whose write slots are set (what a graph records)."""
-    return model(
-        input_ids=ids,
-        **{_cache_argument(type(model)): cache},
-        use_cache=True,
         position_ids=positions,
         attention_mask=mask,
         logits_to_keep=logits_to_keep,
@@ -107,9 +95,8 @@ def _static_forward(model, ids, cache: StaticKVCache, positions, mask, logits_to
     The cache's length then counts the ``n`` new tokens."""
     n = ids.shape[1]
     graphs = cache.device.type == "cuda"
-    fits = (
-        cache.length > 0 and cache.length + width_for(n) <= cache.max_len
-    )  # not a prefill; room for the pad
+    # not the prefill, and room for the pad rows
+    fits = cache.length > 0 and cache.length + width_for(n) <= cache.max_len
     if n <= max(WIDTHS) and fits and (graphs or cache.padded):
         if graphs:
             out = captured(_model_call, model, cache, n, hidden_states)(ids, positions, mask)
