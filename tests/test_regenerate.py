@@ -206,7 +206,8 @@ def test_looping_conversations_reads_each_answer_without_its_stop_token():
     # b: nothing loops, nothing moves; c: the second answer keeps one period and one repetition, then its stop
     assert torch.equal(cut.ids[1], split.ids[1]) and torch.equal(cut.loss_mask[1], split.loss_mask[1])
     assert cut.ids[2].tolist() == [7, 8] + fresh + [stop] + [7, 8] + [1, 2, 3, 1, 2, 3] + [stop]
-    assert cut.loss_mask[2].tolist() == [False] * 2 + [True] * 201 + [False] * 2 + [True] * 7
+    # the cut answer's stop token stays in the sequence, but is no target: the target did not stop there
+    assert cut.loss_mask[2].tolist() == [False] * 2 + [True] * 201 + [False] * 2 + [True] * 6 + [False]
     assert cut.ids[3].tolist() == [7, 8, 1, 2, 3, 1, 2, 3]  # no stop token: the answer was cut by the cap
     assert torch.equal(cut.ids[4], split.ids[4])
     assert cut.counts["looping_answers_cut"] == 3 and cut.counts["looping_tokens_cut"] == 3 * 114

@@ -80,16 +80,18 @@ def looping_conversations(split: TokenizedSplit, stops) -> list[bool]:
 
 def cut_looping(split: TokenizedSplit, stops) -> TokenizedSplit:
     """``split`` with the loop cut out of every answer that ends in one (:func:`~.looping.loop_cut`: the text up to
-    the first repeat plus one period), the conversation's other turns kept; ``counts`` says how many answers were
-    cut and how many tokens went."""
+    the first repeat plus one period), the conversation's other turns kept, and a cut answer's stop token kept in
+    the sequence but not trained on; ``counts`` says how many answers were cut and how many tokens went."""
     stops = set(stops)
     ids_out, masks_out, cut, dropped = [], [], 0, 0
     for ids, mask in zip(split.ids, split.loss_mask):
-        ids_l, keep = ids.tolist(), torch.ones(len(ids), dtype=torch.bool)
+        ids_l, keep, mask = ids.tolist(), torch.ones(len(ids), dtype=torch.bool), mask.clone()
         for a, b in answer_spans(ids_l, mask.tolist(), stops):
             n = loop_cut(ids_l[a:b])
             if a + n < b:
-                keep[a + n : b] = False  # the stop token after b, if any, is kept: the answer still ends
+                keep[a + n : b] = False
+                if b < len(ids_l) and mask[b]:  # its stop token stays (the turn still ends) but is no target:
+                    mask[b] = False  # the target did not stop after one repetition
                 cut, dropped = cut + 1, dropped + b - a - n
         ids_out.append(ids[keep])
         masks_out.append(mask[keep])
