@@ -5,9 +5,12 @@ attend everywhere, so a small partial cache changes their choices: ``specpv`` mo
 decoding there, which the strict-mode test shows before it shows ``strict`` equal to plain decoding.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import spread_target
+from transformers import DynamicCache
 
 from kvshot_lib.decoding import (
     BlockSummaries,
@@ -231,6 +234,11 @@ def test_strict_equals_plain_decoding_where_specpv_diverges(llama, drafter_name)
     strict = specpv_generate(llama, drafter, prompt, cfg, SpecPVConfig(full_every=8, strict=True, **SMALL))
     assert strict.token_ids == ref
     assert strict.rollbacks and all(1 <= r <= 8 + 4 for r in strict.rollbacks)
+    # SpecPV builds its partial cache from a DynamicCache: asked for the static one (a GPU's default), it keeps to it
+    static, kinds = replace(cfg, target_cache="static"), set()
+    pv = SpecPVConfig(full_every=8, strict=True, **SMALL)
+    out = specpv_generate(llama, drafter, prompt, static, pv, on_full=lambda c, cache: kinds.add(type(cache)))
+    assert out.token_ids == ref and kinds == {DynamicCache}
 
 
 def test_strict_checks_output_that_ends_on_partially_verified_tokens(llama):

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -183,6 +183,7 @@ def _specpv(
     target: Target, drafter: SessionFactory | None, prompt_ids, cfg, pv, on_partial, on_full, prefill
 ) -> SpecPVResult:
     """The loop: draft, then one full or partial pass per cycle; a strict rollback starts the cycle over."""
+    cfg = replace(cfg, target_cache="dynamic")  # the partial cache is built from a DynamicCache's layers
     state = CycleState(target, prompt_ids, cfg, SpecPVResult)
     result = state.result
     if cfg.max_new_tokens == 0:
