@@ -64,6 +64,7 @@ from kvshot_lib.target import (
     bf16_tier,
     capture_seconds,
     cpu_model,
+    machine_label,
     random_target,
     static_cache_for,
     width_for,
@@ -218,12 +219,11 @@ def preflight() -> dict:
 
 
 def machine() -> dict:
-    """Where the numbers were taken, and the file-name label of evaluation.machine_name (the GPU, else the CPU, its
-    cores and bf16 tier), without importing kvshot_lib.evaluation: it needs scipy, which a bare GPU machine may lack."""
+    """Where the numbers were taken, and its file-name label (``target.machine_label``: the GPU, else the CPU, its
+    cores and bf16 tier)."""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     cpu, cores = cpu_model(), os.cpu_count()
-    label = gpu or f"{cpu}-{cores}cores-{bf16_tier()}"
-    name = "".join(c if c.isalnum() else "-" for c in label).strip("-").lower()
+    name = machine_label(gpu, cpu, cores, bf16_tier())
     return dict(gpu=gpu, cpu=cpu, cores=cores, torch_threads=torch.get_num_threads(), name=name)
 
 
@@ -453,7 +453,7 @@ def greedy_equality(target: Target, drafters: dict, prompts: list[list[int]], sc
     )
 
 
-def fresh_drafters(target: Target, d2t, scale: Scale, seed: int) -> dict:
+def fresh_drafters(target: Target, d2t, seed: int) -> dict:
     """Untrained hidden, KV and hybrid drafters at the check's draft vocabulary (exactness and cost do not need
     training)."""
     return {
@@ -562,7 +562,7 @@ def run_check(bundle: Path | None, scale_name: str, device: str, out_dir: Path, 
         )
         d2t = build_draft_vocab(train, target, scale.draft_vocab_size)
         dtype = next(target.model.parameters()).dtype
-        drafters = fresh_drafters(target, d2t, scale, seed)
+        drafters = fresh_drafters(target, d2t, seed)
         if due("plain_decoding"):
             with stage(stages, "plain_decoding", device, save) as row:
                 row.update(plain_decoding(target, prompts, scale))
@@ -572,7 +572,7 @@ def run_check(bundle: Path | None, scale_name: str, device: str, out_dir: Path, 
         cv = stages.get("verification_cost", {})
         if "rows" in cv and due("cycle_overhead"):
             with stage(stages, "cycle_overhead", device, save) as row:
-                hidden = bound({"hidden-ttt": drafters["hidden-ttt"]}, target, dtype)["hidden-ttt"]
+                hidden = drafter_for_target(drafters["hidden-ttt"], target, dtype)
                 row.update(cycle_overhead(target, hidden, prompts[:2], scale, cv))
         if due("greedy_equality"):
             with stage(stages, "greedy_equality", device, save) as row:

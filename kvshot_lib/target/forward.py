@@ -141,12 +141,6 @@ def crop(cache: DynamicCache, length: int) -> None:
 
 def keep_positions(cache: DynamicCache, keep: Tensor) -> None:
     """Keep only the cached positions ``keep [m]`` (sorted indices), in order, in every layer (in place)."""
-    if isinstance(cache, StaticKVCache):  # the buffers stay where they are: a graph reads them
-        for entry in cache.layers:
-            entry.keys[:, :, : len(keep)] = entry.keys.index_select(2, keep)
-            entry.values[:, :, : len(keep)] = entry.values.index_select(2, keep)
-        cache.length = len(keep)
-        return
     for entry in cache.layers:
         entry.keys = entry.keys.index_select(2, keep)
         entry.values = entry.values.index_select(2, keep)

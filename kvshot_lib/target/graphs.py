@@ -57,9 +57,8 @@ class CapturedForward:
         self.ids = torch.zeros(1, width, dtype=torch.long, device=dev)  # [1, W]
         self.positions = torch.zeros(1, width, dtype=torch.long, device=dev)  # [1, W]
         self.mask = torch.zeros(1, 1, width, cache.max_len, dtype=cache.dtype, device=dev)  # [1, 1, W, S]
-        self.slots = torch.arange(
-            cache.max_len - width, cache.max_len, device=dev
-        )  # [W] warm-up writes the tail
+        # [W] the warm-up writes the tail, past anything committed
+        self.slots = torch.arange(cache.max_len - width, cache.max_len, device=dev)
         cache.slots = self.slots
 
         def run():

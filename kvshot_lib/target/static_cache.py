@@ -26,9 +26,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-PAD_ON_CPU = (
-    False  # the tests set it: a CPU runs the GPU's padded widths eagerly, so the padding is checked there
-)
+# the tests set it: a CPU runs the GPU's padded widths eagerly, so the padding is checked there
+PAD_ON_CPU = False
 
 
 class StaticSlots:
@@ -157,10 +156,8 @@ def static_cache_for(model, need: int) -> StaticKVCache:
     p = next(model.parameters())
     if p.device.type != "cuda":
         return StaticKVCache(model.config, need, p.device, p.dtype)
-    key = (
-        max(256, 1 << (need - 1).bit_length()),
-        p.dtype,
-    )  # a model cast in place gets caches of its new dtype
+    # one per size and dtype: a model cast in place gets caches of its new dtype
+    key = (max(2048, 1 << (need - 1).bit_length()), p.dtype)
     caches = _POOL.setdefault(model, {})
     if key not in caches:
         caches[key] = StaticKVCache(model.config, key[0], p.device, p.dtype)
