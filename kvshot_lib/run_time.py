@@ -53,15 +53,14 @@ def target_params(s: dict) -> int:
 
 
 def this_machine(cuda: bool) -> str:
-    """This machine's label in rates file names, as ``evaluation.machine_name`` gives it (the GPU's name, else the
-    CPU's, its cores and bf16 tier), without importing ``kvshot_lib.evaluation``: a bare GPU machine may lack scipy."""
+    """This machine's label in rates file names (``target.precision.machine_label``: the GPU's name, else the CPU's,
+    its cores and bf16 tier)."""
     import torch
 
-    from .target import bf16_tier, cpu_model
+    from .target.precision import bf16_tier, cpu_model, machine_label
 
     gpu = torch.cuda.get_device_name(0) if cuda and torch.cuda.is_available() else None
-    label = gpu or f"{cpu_model()}-{os.cpu_count()}cores-{bf16_tier()}"
-    return "".join(c if c.isalnum() else "-" for c in label).strip("-").lower()
+    return machine_label(gpu, cpu_model(), os.cpu_count(), bf16_tier())
 
 
 def measured(cuda: bool, results_dir: Path = RESULTS_DIR) -> tuple[dict, Path] | tuple[None, None]:

@@ -28,7 +28,7 @@ import torch
 
 from ..target import bf16_tier, cpu_model
 from ..target.forward import forward
-from ..target.precision import PrecisionChoice
+from ..target.precision import PrecisionChoice, machine_label
 from . import metrics
 from .specpv_fidelity import first_divergence
 
@@ -55,9 +55,7 @@ def machine_name(info: dict | None = None) -> str:
     """A short file-name-safe label: the GPU, else the CPU model, core count and bf16 tier (``amd-epyc-2cores-
     nobf16``); a record written before the tier was kept (no ``bf16`` key) keeps its old label."""
     info = info or machine_info()
-    tier = f"-{info['bf16']}" if info.get("bf16") else ""
-    label = info["gpu"] or f"{info['cpu']}-{info['cores']}cores{tier}"
-    return "".join(c if c.isalnum() else "-" for c in label).strip("-").lower()
+    return machine_label(info["gpu"], info["cpu"], info["cores"], info.get("bf16"))
 
 
 SPECULATIVE = ("chain", "tree", "chain_chosen", "tree_chosen", "combined")

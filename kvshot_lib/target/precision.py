@@ -93,6 +93,14 @@ def bf16_tier() -> str:
     return "amx" if "amx_bf16" in flags else "avx512bf16" if "avx512_bf16" in flags else "nobf16"
 
 
+def machine_label(gpu: str | None, cpu: str, cores: int | None, tier: str | None) -> str:
+    """A file-name-safe label of a machine: the GPU, else the CPU model, core count and bf16 tier
+    (``amd-epyc-2cores-avx512bf16``; no tier: a record written before the tier was kept). The one rule that
+    benchmark results, speed tables and the dry run's rates are named by."""
+    label = gpu or f"{cpu}-{cores}cores" + (f"-{tier}" if tier else "")
+    return "".join(c if c.isalnum() else "-" for c in label).strip("-").lower()
+
+
 def _device_kind(device) -> str:
     if str(device) == "auto":  # as load_target resolves it
         return "cuda" if torch.cuda.is_available() else "cpu"
