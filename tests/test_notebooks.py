@@ -246,6 +246,11 @@ def test_saved_tables_of_notebook_03(smoke_run):
         )
         first = runs.get_group(key)["alpha_conditional"].iloc[0] if key in runs.groups else math.nan
         assert row.alpha_0 == pytest.approx(first, nan_ok=True), key
+    boot = table("acceptance_bootstrap", ["drafter", "mode", "temperature", "metric", "value", "lo", "hi"])
+    mats = boot[boot["metric"] == "mat"].merge(summary, on=["drafter", "mode", "temperature"])
+    assert len(mats) == len(summary), "one MAT interval per summary row"
+    assert np.allclose(mats["value"], mats["mat"]) and (mats["lo"] <= mats["mat"]).all()
+    assert (mats["mat"] <= mats["hi"]).all()
     # the target drafting for itself at T=0 accepts everything: its MAT follows from the lengths alone
     self_chain = summary.query("drafter == 'self' and mode == 'chain' and temperature == 0").iloc[0]
     assert self_chain["alpha_0"] == 1.0

@@ -18,7 +18,7 @@ from kvshot_lib.target import cache_dir, load_target
 from kvshot_lib.training import budget_note
 
 ROWS = ["none-ttt", "hidden-ttt", "kv-ttt", "kv-ttt-zeroed", "hybrid-ttt", "hybrid-ttt-zeroed", "kv-ttt-tinit",
-        "block-kv"]  # fmt: skip
+        "block-kv", "hidden31-ttt"]  # fmt: skip
 KV_READERS = {"kv-ttt", "kv-ttt-zeroed", "hybrid-ttt", "hybrid-ttt-zeroed", "kv-ttt-tinit", "block-kv"}
 
 MB = 10**6  # the limits are in decimal megabytes
@@ -34,12 +34,16 @@ def test_the_reference_plan_is_the_issues():
         "hybrid-ttt",
         "kv-ttt-tinit",
         "block-kv",
+        "hidden31-ttt",
     ]
     cfgs = {r: plan.row(r).train_config() for r in ROWS}
     assert {(c.schedule, c.plateau_stop, c.data_source, c.mixed_precision) for c in cfgs.values()} == {
         ("wsd", 0.01, "store", "auto")
     }  # one schedule family and one stopping rule for every row
     assert cfgs["kv-ttt-tinit"].init_from == "target" and cfgs["kv-ttt-zeroed"].target_kv == "zeroed"
+    assert (
+        cfgs["hidden31-ttt"].fc_norm and cfgs["hidden31-ttt"].norm_output
+    )  # EAGLE 3.1 on the original answers
     assert (cfgs["block-kv"].paradigm, cfgs["block-kv"].n_layers, cfgs["block-kv"].regime) == (
         "block",
         2,
@@ -74,6 +78,57 @@ def test_a_bad_plan_is_refused_before_anything_runs(tmp_path):
     bad.write_text(bad.read_text() + "  baseline: {run: reference, rows: {b: a}}\n")  # b is not a row here
     with pytest.raises(PlanError, match="baseline must be"):
         load_plan(str(bad))
+
+
+def test_a_row_of_a_later_stage_has_its_own_slice_and_cap_and_the_command_line_still_wins(tmp_path):
+    path = tmp_path / "stages.yaml"
+    path.write_text(
+        "parameters: {target: tiny-llama}\nreference:\n"
+        "  data: {responses: regenerated, n_train_conversations: 100, min_train_tokens: 10}\n"
+        "  budget: {token_passes: 1000}\n  training: {}\n  rows:\n"
+        "    - {name: a, paradigm: hidden, regime: ttt}\n"
+        "    - {name: a-s3, like: a, data: {n_train_conversations: 400}, budget: {token_passes: 5000}}\n"
+        "    - {name: b-s3, like: a-s3, loops: cut}\n"
+    )
+    plan = load_plan(str(path))
+    a, a3, b3 = plan.row("a"), plan.row("a-s3"), plan.row("b-s3")
+    assert (
+        plan.row_data_spec(a)["n_train_conversations"] == 100 and plan.row_budget(a)["token_passes"] == 1000
+    )
+    for row in (a3, b3):  # `like` carries the slice and the cap
+        assert plan.row_data_spec(row) == {
+            "responses": "regenerated",
+            "n_train_conversations": 400,
+            "min_train_tokens": 10,
+        }
+        assert plan.row_budget(row) == {"token_passes": 5000}
+    plan.override(
+        {"min_train_tokens": 0}, {"token_passes": 7}
+    )  # --data / --budget: over the plan and every row
+    assert plan.row_budget(a)["token_passes"] == plan.row_budget(a3)["token_passes"] == 7
+    assert (
+        plan.row_data_spec(a3)["min_train_tokens"] == 0
+        and plan.row_data_spec(a3)["n_train_conversations"] == 400
+    )
+    plan.override({"n_train_conversations": 50})
+    assert (
+        plan.row_data_spec(a)["n_train_conversations"]
+        == plan.row_data_spec(b3)["n_train_conversations"]
+        == 50
+    )
+    with pytest.raises(PlanError, match="--data names"):
+        plan.override({"n_conversations": 5})
+    smoke = load_plan("onpolicy", smoke=True)  # the smoke slice and cap hold for a later stage's row too
+    row = smoke.row("hybrid31-ttt-s3-zeroed")
+    assert smoke.row_data_spec(row) == smoke.data and smoke.row_budget(row) == smoke.budget
+    full = load_plan("onpolicy")
+    assert full.row_budget(full.row(row.name))["token_passes"] > full.budget["token_passes"]
+    path.write_text(path.read_text().replace("budget: {token_passes: 5000}", "budget: {steps: 5}"))
+    with pytest.raises(PlanError, match="row 'a-s3': its data keys must be the plan's"):
+        load_plan(str(path))
+    path.write_text(path.read_text().replace("budget: {steps: 5}", "data: {n_conversations: 5}"))
+    with pytest.raises(PlanError, match="row 'a-s3': its data keys must be the plan's"):
+        load_plan(str(path))
 
 
 @pytest.mark.slow  # ~16 s: make test-slow, which CI runs
@@ -350,6 +405,14 @@ def test_a_row_that_cuts_loops_trains_on_every_conversation_with_its_loops_cut(t
     assert cut.unique_tokens == full.unique_tokens - 3 * ((len(full.train) + 1) // 2)
     assert "looping answers cut after its first repetition" in cut.what
     assert ("hidden31-ttt-cut", "hidden31-ttt-noloop") in plan.comparisons
+    # the plan's floor is on the slice before any row's filter: the cut row trains on fewer tokens than it
+    plan.data["min_train_tokens"] = full.unique_tokens
+    assert reference_data.row_data(
+        plan, tiny_llama, plan.row("hidden31-ttt-cut"), progress=False
+    ).unique_tokens < (full.unique_tokens)
+    plan.data["min_train_tokens"] = full.unique_tokens + 1
+    with pytest.raises(PlanError, match="fewer than the plan's min_train_tokens"):
+        reference_data.row_data(plan, tiny_llama, plan.row("hidden31-ttt-cut"), progress=False)
 
 
 def test_two_rows_finishing_at_once_both_keep_their_tables(tmp_path, monkeypatch):

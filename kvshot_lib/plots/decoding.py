@@ -7,11 +7,12 @@ figure; :mod:`.figures` saves it (PDF + PNG).
 
 from __future__ import annotations
 
+import re
+
 import matplotlib.pyplot as plt
-import numpy as np
 import pandas as pd
 
-from .style import MODE_STYLES, PAGE, drafter_color, finish_figure
+from .style import MODE_STYLES, PAGE, drafter_color, finish_figure, paradigm_of
 
 _MARKERS = "osD^vP*Xhp<>"
 
@@ -56,30 +57,88 @@ def plot_acceptance_by_step(
     return finish_figure(fig, f"{title}  (steps with < {min_attempts} attempts not drawn)", axes[0][0])
 
 
-def plot_mat_by_drafter(summary: pd.DataFrame, title: str = "Mean accepted tokens per cycle (MAT, τ)"):
-    """Grouped bars: MAT per drafter, one bar per mode x temperature."""
-    drafters = list(dict.fromkeys(summary["drafter"]))
-    groups = list(summary.groupby(["mode", "temperature"], sort=True).groups)
-    width = 0.8 / max(len(groups), 1)
-    fig, ax = plt.subplots(figsize=(max(PAGE / 2, 0.5 * len(drafters) * max(1, len(groups) / 2)), 2.6))
-    x = np.arange(len(drafters))
-    for i, (mode, temp) in enumerate(groups):
+# left to right in the MAT figure: the baselines, the control without the target, then the target readers
+PARADIGM_ORDER = ("ngram", "random", "self", "early-exit", "none", "kv", "hidden", "cross", "hybrid", "block")
+
+
+def stage_of(name: str) -> int:
+    """A drafter's stage, from its name: 0 for another run's checkpoint (``row@run``), ``n`` for a ``-s<n>`` row
+    (``hidden31-ttt-noloop-s2``), else 1."""
+    if "@" in name:
+        return 0
+    m = re.search(r"-s(\d+)(?=-|$)", name)
+    return int(m.group(1)) if m else 1
+
+
+def drafter_order(table: pd.DataFrame) -> list[str]:
+    """The drafters of ``table``, grouped by paradigm (:data:`PARADIGM_ORDER`, unknown ones last) and ordered by
+    stage within a paradigm, a zeroed-KV control after the drafters of its stage; the table's order breaks ties."""
+    names = list(dict.fromkeys(table["drafter"]))
+    recorded = dict(
+        table[["drafter", "paradigm"]].drop_duplicates("drafter").itertuples(index=False, name=None)
+    )
+    rank = {p: i for i, p in enumerate(PARADIGM_ORDER)}
+
+    def key(i_name):
+        i, name = i_name
+        group = rank.get(paradigm_of(name, recorded.get(name)), len(rank))
+        return group, stage_of(name), "zeroed" in name, i
+
+    return [name for _, name in sorted(enumerate(names), key=key)]
+
+
+def plot_mat_by_drafter(
+    summary: pd.DataFrame,
+    bootstrap: pd.DataFrame | None = None,
+    title: str = "Mean accepted tokens per cycle (MAT, τ)",
+):
+    """One panel per mode x temperature, a horizontal bar per drafter in its paradigm's colour, drafters grouped
+    by paradigm and ordered by stage (:func:`drafter_order`), each with its 95% bootstrap interval where
+    ``bootstrap`` (``acceptance_bootstrap.csv``) has one."""
+    summary = summary.copy()
+    if "paradigm" not in summary:
+        summary["paradigm"] = None
+    drafters = drafter_order(summary)
+    paradigm = dict(
+        summary[["drafter", "paradigm"]].drop_duplicates("drafter").itertuples(index=False, name=None)
+    )
+    groups = [paradigm_of(d, paradigm.get(d)) for d in drafters]
+    y, gap = [], 0.0  # a half-bar gap between paradigms
+    for i, g in enumerate(groups):
+        gap += 0.6 if i and g != groups[i - 1] else 0.0
+        y.append(i + gap)
+    panels = sorted(summary.groupby(["mode", "temperature"]).groups, key=lambda mt: (mt[1], mt[0]))
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(PAGE, 1.3 + 0.17 * y[-1]), sharex=True, sharey=True, squeeze=False
+    )
+    for ax, (mode, temp) in zip(axes[0], panels):
         d = summary[(summary["mode"] == mode) & (summary["temperature"] == temp)].set_index("drafter")
-        values = [d["mat"].get(name, np.nan) for name in drafters]
-        ax.bar(
-            x + (i - (len(groups) - 1) / 2) * width,
-            values,
-            width,
-            label=f"{mode}, T={temp:g}",
-            hatch="//" if mode == "tree" else None,
-            alpha=0.9 if temp == 0 else 0.55,
-        )
-    ax.axhline(1.0, color="gray", lw=0.8, ls=":")
-    ax.set_xticks(x, drafters, rotation=30, ha="right")
-    ax.set_ylabel("MAT τ (accepted drafts + bonus,\ntokens per cycle)")
-    ax.set_title(title)
-    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return finish_figure(fig)
+        for yi, name in zip(y, drafters):
+            if name not in d.index:
+                continue
+            mat, err = float(d.at[name, "mat"]), None
+            if bootstrap is not None and not bootstrap.empty:
+                b = bootstrap[
+                    (bootstrap["drafter"] == name)
+                    & (bootstrap["mode"] == mode)
+                    & (bootstrap["temperature"] == temp)
+                    & (bootstrap["metric"] == "mat")
+                ]
+                if len(b):
+                    err = [[max(0.0, mat - b["lo"].iloc[0])], [max(0.0, b["hi"].iloc[0] - mat)]]
+            ax.barh(
+                yi, mat, 0.8, color=drafter_color(name, paradigm.get(name)), alpha=0.9 if temp == 0 else 0.55
+            )
+            if err is not None:
+                ax.errorbar(mat, yi, xerr=err, color="0.15", lw=0.8, capsize=1.5)
+        ax.axvline(1.0, color="gray", lw=0.8, ls=":")
+        ax.set_title(f"{mode}, T = {temp:g}")
+        ax.set_xlabel("MAT τ (tokens per cycle)")
+        ax.grid(axis="y", visible=False)
+    axes[0][0].set_yticks(y, drafters)
+    axes[0][0].invert_yaxis()
+    interval = " · bars: 95% bootstrap interval" if bootstrap is not None and not bootstrap.empty else ""
+    return finish_figure(fig, title + interval)
 
 
 SPECULATIVE = ("chain", "tree", "chain_chosen", "tree_chosen", "combined")

@@ -260,9 +260,15 @@ SPECS = [
         "03_mat_by_drafter",
         "03_acceptance_by_step",
         ("acceptance_summary.csv",),
-        lambda t: decoding.plot_mat_by_drafter(t["acceptance_summary.csv"]),
-        {"acceptance_summary.csv": ["drafter", "mode", "temperature", "mat"]},
+        lambda t: decoding.plot_mat_by_drafter(
+            t["acceptance_summary.csv"], t.get("acceptance_bootstrap.csv")
+        ),
+        {
+            "acceptance_summary.csv": ["drafter", "mode", "temperature", "mat"],
+            "acceptance_bootstrap.csv": ["drafter", "mode", "temperature", "metric", "lo", "hi"],
+        },
         lambda t: f"each bar: {_n_range(t['acceptance_summary.csv']['n_cycles'])} verification cycles",
+        optional=("acceptance_bootstrap.csv",),
     ),
     FigureSpec(
         "04_query_error_by_step",

@@ -64,15 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(s not in STEPS for s in steps):
             raise PlanError(f"--steps takes {list(STEPS)}, got {steps}.")
         overrides = key_values(args.set, "--set")
-        data = key_values(args.data, "--data")
-        unknown = sorted(set(data) - set(plan.data))
-        if unknown:
-            raise PlanError(f"--data names {unknown}; the plan's data keys are {sorted(plan.data)}.")
-        plan.data.update(data)
-        budget = key_values(args.budget, "--budget")
-        if set(budget) - {"token_passes"}:
-            raise PlanError(f"--budget takes token_passes=N, got {sorted(budget)}.")
-        plan.budget.update(budget)
+        plan.override(key_values(args.data, "--data"), key_values(args.budget, "--budget"))
         if rows or overrides:
             for r in rows or plan.rows:
                 plan.row(r).train_config(**overrides)  # a bad override fails here, not after hours

@@ -28,9 +28,10 @@ from ..target.assets import REPO_ROOT
 from .plan import Plan, PlanError, Row
 
 
-def data_splits(plan: Plan, target, responses: str):
-    """(training, held-out) TokenizedSplits and what they are: regenerated where the regeneration has reached."""
-    d = plan.data
+def data_splits(plan: Plan, target, responses: str, data: dict | None = None):
+    """(training, held-out) TokenizedSplits and what they are: regenerated where the regeneration has reached.
+    ``data``: the slice's keys (:meth:`Plan.row_data_spec`), default the plan's ``data``."""
+    d = data or plan.data
     kw = dict(seed=plan.seed, min_len=int(d.get("min_len", 0)))
     train = tokenize_sharegpt(target.tokenizer, "train", d["n_train_conversations"], d["max_len"], **kw)
     held = tokenize_sharegpt(target.tokenizer, "eval", d["n_eval_conversations"], d["max_len"], **kw)
@@ -68,14 +69,9 @@ def row_data(plan: Plan, target, row: Row, progress: bool = True) -> RowData:
     from ..drafters import drafter_config_for
     from ..training import EvalSet, online_eval_set
 
-    train, held, what = data_splits(plan, target, row.responses)
+    spec = plan.row_data_spec(row)
+    train, held, what = data_splits(plan, target, row.responses, spec)
     keep = None
-    if row.loops == "cut":  # the same conversations, each loop cut after its first repetition
-        train = cut_looping(train, target.info.eos_token_ids)
-        what += (
-            f", each of its {train.counts['looping_answers_cut']} looping answers cut after its first repetition "
-            f"({train.counts['looping_tokens_cut']:,} tokens)"
-        )
     if row.loops == "drop":
         looping = looping_conversations(train, target.info.eos_token_ids)
         keep = [i for i, bad in enumerate(looping) if not bad]
@@ -84,11 +80,17 @@ def row_data(plan: Plan, target, row: Row, progress: bool = True) -> RowData:
         what += f", without the {sum(looping)} conversations whose answers loop"
     base = row.train_config()
     crop = base.max_tokens or math.inf
-    floor = int(plan.data.get("min_train_tokens", 0))  # how far the slice must reach, before any row's filter
+    floor = int(spec.get("min_train_tokens", 0))  # how far the slice must reach, before any row's filter
     if train.n_tokens < floor:
         raise PlanError(
             f"the training slice holds {train.n_tokens:,} tokens, fewer than the plan's min_train_tokens "
             f"{floor:,}: raise data.n_train_conversations."
+        )
+    if row.loops == "cut":  # the same conversations, each loop cut after its first repetition
+        train = cut_looping(train, target.info.eos_token_ids)
+        what += (
+            f", each of its {train.counts['looping_answers_cut']} looping answers cut after its first repetition "
+            f"({train.counts['looping_tokens_cut']:,} tokens)"
         )
     kept = train if keep is None else train.subset(keep)
     mean_length = sum(min(len(x), crop) for x in kept.ids) / len(kept)
@@ -107,7 +109,7 @@ def row_data(plan: Plan, target, row: Row, progress: bool = True) -> RowData:
 
 def train_steps_for(plan: Plan, row: Row, data: RowData) -> int | None:
     """The optimizer steps of the plan's token-pass cap for ``row`` on ``data`` (None: the row's own steps)."""
-    cap = plan.budget.get("token_passes")
+    cap = plan.row_budget(row).get("token_passes")
     if not cap:
         return None
     return max(1, math.ceil(cap / (row.train_config().batch_size * data.mean_length)))

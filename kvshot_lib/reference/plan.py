@@ -11,7 +11,9 @@ differ from the shared ``training`` ones, and four keys of its own:
 * ``loops: drop`` trains without the conversations one of whose answers ends in a loop
   (:func:`~kvshot_lib.corpus.looping_conversations`; the regenerated answers of a small target often do);
   ``loops: cut`` keeps them, with each loop cut after its first repetition (:func:`~kvshot_lib.corpus.cut_looping`);
-  ``loops: keep`` (the default) trains on the answers as generated.
+  ``loops: keep`` (the default) trains on the answers as generated;
+* ``data: {...}`` and ``budget: {...}`` override the plan's for this row (a later stage's row on a larger slice
+  of the regeneration, with its own cap), as ``--data`` and ``--budget`` override both for a run.
 
 Beside the rows: ``data`` (the ShareGPT slices), ``budget`` (``token_passes``: the cap every row trains to at
 most, turned into optimizer steps on the data, see :func:`~.data.train_steps_for`), ``checkpoints`` (the limits
@@ -31,9 +33,10 @@ from dataclasses import dataclass, field
 from ..runner import load_profile
 from ..training import TrainConfig, TrainConfigError
 
-ROW_KEYS = ("name", "like", "headline", "responses", "paper", "loops")
+ROW_KEYS = ("name", "like", "headline", "responses", "paper", "loops", "data", "budget")
 RESPONSES = ("regenerated", "original")
 LOOPS = ("keep", "drop", "cut")
+BUDGET_KEYS = ("token_passes",)
 
 
 class PlanError(ValueError):
@@ -49,6 +52,8 @@ class Row:
     init_row: str | None = None  # the row whose checkpoint init_from names
     paper: str = ""  # the line of the paper's Table 5 this row stands for (reference_table.csv)
     loops: str = "keep"  # answers that loop: kept, their conversations dropped, or the loops cut
+    data: dict = field(default_factory=dict)  # the row's own data keys, over the plan's
+    budget: dict = field(default_factory=dict)  # the row's own budget (token_passes), over the plan's
 
     def train_config(self, **overrides) -> TrainConfig:
         return TrainConfig.from_params({**self.params, "name": self.name, **overrides})
@@ -79,6 +84,28 @@ class Plan:
         """The folder name of the run's outputs (runs/, figures/, checkpoints/): the profile's, or ``-smoke``."""
         return f"{self.profile}-smoke" if self.smoke else self.profile
 
+    def row_data_spec(self, row: Row) -> dict:
+        """The data ``row`` trains on: the plan's ``data`` with the row's own keys over it."""
+        return {**self.data, **row.data}
+
+    def row_budget(self, row: Row) -> dict:
+        """The budget ``row`` trains to: the plan's ``budget`` with the row's own keys over it."""
+        return {**self.budget, **row.budget}
+
+    def override(self, data: dict | None = None, budget: dict | None = None) -> None:
+        """A run's ``--data`` and ``--budget``: over the plan's and every row's own, checked against the keys."""
+        data, budget = data or {}, budget or {}
+        unknown = sorted(set(data) - set(self.data))
+        if unknown:
+            raise PlanError(f"--data names {unknown}; the plan's data keys are {sorted(self.data)}.")
+        if set(budget) - set(BUDGET_KEYS):
+            raise PlanError(f"--budget takes token_passes=N, got {sorted(budget)}.")
+        self.data.update(data)
+        self.budget.update(budget)
+        for row in self.rows.values():
+            row.data.update({k: v for k, v in data.items() if k in row.data})
+            row.budget.update({k: v for k, v in budget.items() if k in row.budget})
+
     def row(self, name: str) -> Row:
         if name not in self.rows:
             raise PlanError(f"unknown row {name!r}; the plan's rows are {list(self.rows)}.")
@@ -97,11 +124,15 @@ class Plan:
 
     def baseline_pairs(self) -> list[tuple[str, str]]:
         """``[(row, "<its row>@<run>")]``: each row beside the committed checkpoint of the same paradigm in the
-        ``baseline`` run (the on-policy rows beside the reference run's), compared on the same MT-bench turns."""
+        ``baseline`` run (the on-policy rows beside the reference run's; ``rows`` maps a row to one row there, or
+        to a list), compared on the same MT-bench turns."""
         if not self.baseline:
             return []
         run = self.baseline["run"] + ("-smoke" if self.smoke else "")
-        return [(row, f"{base}@{run}") for row, base in self.baseline["rows"].items()]
+        pairs = []
+        for row, bases in self.baseline["rows"].items():  # one row of that run, or a list of them
+            pairs += [(row, f"{base}@{run}") for base in ([bases] if isinstance(bases, str) else bases)]
+        return pairs
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -135,7 +166,7 @@ def load_plan(profile: str = "reference", smoke: bool = False) -> Plan:
         raw.get("rows") or [],
         training,
         raw.get("best_kv_mode", "concat"),
-        raw["data"].get("responses", "regenerated"),
+        raw["data"],
     )
     bad = [c for c in raw.get("comparisons") or [] if len(c) != 2 or not set(c) <= set(rows)]
     if bad:
@@ -151,7 +182,7 @@ def load_plan(profile: str = "reference", smoke: bool = False) -> Plan:
     unknown = [r for r in ev.get("rows") or [] if r not in rows]
     if unknown:
         raise PlanError(f"eval.rows names rows {unknown} that the plan does not define.")
-    return Plan(
+    plan = Plan(
         profile=prof.name,
         target=params["target"],
         device=params.get("device", "auto"),
@@ -168,9 +199,14 @@ def load_plan(profile: str = "reference", smoke: bool = False) -> Plan:
         comparisons=[tuple(c) for c in raw.get("comparisons") or []],
         baseline=baseline,
     )
+    if (
+        smoke
+    ):  # the smoke slice and cap over every row's own too (a later stage's row trains on the smoke slice)
+        plan.override(sm.get("data"), sm.get("budget"))
+    return plan
 
 
-def _rows(specs: list, training: dict, best_kv_mode: str, responses: str) -> dict[str, Row]:
+def _rows(specs: list, training: dict, best_kv_mode: str, data: dict) -> dict[str, Row]:
     rows: dict[str, Row] = {}
     raw_by_name = {}
     for i, spec in enumerate(specs):
@@ -191,7 +227,13 @@ def _rows(specs: list, training: dict, best_kv_mode: str, responses: str) -> dic
             own = {**{k: v for k, v in raw_by_name[base].items() if k not in skip}, **own}
         headline = bool(own.pop("headline", False))
         paper = str(own.pop("paper", ""))
-        resp = own.pop("responses", responses)
+        resp = own.pop("responses", data.get("responses", "regenerated"))
+        own_data, own_budget = dict(own.pop("data", None) or {}), dict(own.pop("budget", None) or {})
+        if set(own_data) - set(data) or set(own_budget) - set(BUDGET_KEYS):
+            raise PlanError(
+                f"row {name!r}: its data keys must be the plan's ({sorted(data)}) and its budget keys "
+                f"{list(BUDGET_KEYS)}; got data {sorted(own_data)}, budget {sorted(own_budget)}."
+            )
         loops = own.pop("loops", "keep")
         if loops not in LOOPS:
             raise PlanError(f"row {name!r}: loops must be one of {LOOPS}, got {loops!r}.")
@@ -212,5 +254,5 @@ def _rows(specs: list, training: dict, best_kv_mode: str, responses: str) -> dic
             TrainConfig.from_params({**params, "name": name})
         except TrainConfigError as e:
             raise PlanError(f"row {name!r}: {e}") from None
-        rows[name] = Row(name, params, headline, resp, init_row, paper, loops)
+        rows[name] = Row(name, params, headline, resp, init_row, paper, loops, own_data, own_budget)
     return rows

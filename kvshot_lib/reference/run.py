@@ -25,6 +25,7 @@ row and after the evaluation (:func:`~.tables.update_run`), so a run stopped hal
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -174,7 +175,7 @@ def train_rows(plan: Plan, target, names: list[str], root: Path, progress: bool,
     limits = {"max_file_mb": 16, "max_total_mb": 60, **plan.checkpoints}
     for i, name in enumerate(names):
         row = plan.row(name)
-        key = (row.responses, row.params.get("data_source"), row.loops)
+        key = (row.responses, row.params.get("data_source"), row.loops, json.dumps(row.data, sort_keys=True))
         data[key] = data.get(key) or row_data(plan, target, row, progress)
         d2t = d2t if d2t is not None else draft_vocab(plan, target, row.train_config().draft_vocab_size)
         steps = train_steps_for(plan, row, data[key])
