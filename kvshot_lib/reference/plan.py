@@ -1,7 +1,7 @@
 """The reference run's plan: the ``reference`` section of a profile as validated rows.
 
 A row is one line of the paper's Table 5 at SmolLM2 scale: a name, the :class:`TrainConfig` parameters that
-differ from the shared ``training`` ones, and four keys of its own:
+differ from the shared ``training`` ones, and keys of its own:
 
 * ``like: <row>`` starts from another row's parameters (seeds, the original-responses control);
 * ``init_from: <row>`` starts its weights from that row's trained checkpoint (the paper's "from the EAGLE-3
