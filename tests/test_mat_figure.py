@@ -2,15 +2,15 @@
 
 import pandas as pd
 
-from kvshot_lib.plots.decoding import drafter_order, plot_mat_by_drafter, stage_of
+from kvshot_lib.plots import decoding
 
 
 def test_stage_is_read_from_the_rows_name():
-    assert stage_of("hidden-ttt@reference") == 0
-    assert stage_of("hidden31-ttt") == stage_of("kv-ttt-zeroed") == 1
-    assert stage_of("hidden31-ttt-noloop-s2") == 2
-    assert stage_of("hybrid31-ttt-s3-zeroed") == 3
-    assert stage_of("hidden-s2x") == 1  # a suffix, not any "-s" in the name
+    assert decoding.stage_of("hidden-ttt@reference") == 0
+    assert decoding.stage_of("hidden31-ttt") == decoding.stage_of("kv-ttt-zeroed") == 1
+    assert decoding.stage_of("hidden31-ttt-noloop-s2") == 2
+    assert decoding.stage_of("hybrid31-ttt-s3-zeroed") == 3
+    assert decoding.stage_of("hidden-s2x") == 1  # a suffix, not any "-s" in the name
 
 
 def test_drafters_are_grouped_by_paradigm_and_ordered_by_stage():
@@ -27,7 +27,7 @@ def test_drafters_are_grouped_by_paradigm_and_ordered_by_stage():
         ("hidden31-ttt", "hidden"),
     ]
     table = pd.DataFrame(rows, columns=["drafter", "paradigm"])
-    assert drafter_order(table) == [
+    assert decoding.drafter_order(table) == [
         "ngram",
         "none-ttt",
         "kv-ttt",
@@ -50,7 +50,7 @@ def test_each_bar_carries_its_bootstrap_interval():
         [("a", "chain", 0.0, "mat", 1.5, 1.4, 1.7), ("a", "chain", 0.0, "alpha_0", 0.4, 0.3, 0.5)],
         columns=["drafter", "mode", "temperature", "metric", "value", "lo", "hi"],
     )
-    fig = plot_mat_by_drafter(summary, boot)
+    fig = decoding.plot_mat_by_drafter(summary, boot)
     ax = fig.axes[0]
     assert [round(p.get_width(), 6) for p in ax.patches] == [1.2, 1.5]  # kv before hidden
     (segments,) = [c.get_segments() for c in ax.collections]  # one interval: b has none
