@@ -17,14 +17,22 @@ from .style import MODE_STYLES, PAGE, drafter_color, finish_figure, paradigm_of
 _MARKERS = "osD^vP*Xhp<>"
 
 
+def _paradigm_keys(table: pd.DataFrame) -> dict[str, str]:
+    """Per drafter, in the table's order: its paradigm's key (its recorded paradigm, or a baseline's name)."""
+    recorded = {}
+    if "paradigm" in table:
+        recorded = dict(
+            table[["drafter", "paradigm"]].drop_duplicates("drafter").itertuples(index=False, name=None)
+        )
+    return {name: paradigm_of(name, recorded.get(name)) for name in dict.fromkeys(table["drafter"])}
+
+
 def _looks(table: pd.DataFrame) -> dict:
     """Per drafter: its paradigm's colour, and a marker that tells apart drafters of one paradigm."""
-    pairs = table[["drafter", "paradigm"]].drop_duplicates("drafter") if "paradigm" in table else None
-    names = list(dict.fromkeys(table["drafter"]))
-    paradigm = dict(pairs.itertuples(index=False, name=None)) if pairs is not None else {}
+    keys = _paradigm_keys(table)
     return {
-        name: dict(color=drafter_color(name, paradigm.get(name)), marker=_MARKERS[i % len(_MARKERS)])
-        for i, name in enumerate(names)
+        name: dict(color=drafter_color(name, key), marker=_MARKERS[i % len(_MARKERS)])
+        for i, (name, key) in enumerate(keys.items())
     }
 
 
@@ -73,18 +81,13 @@ def stage_of(name: str) -> int:
 def drafter_order(table: pd.DataFrame) -> list[str]:
     """The drafters of ``table``, grouped by paradigm (:data:`PARADIGM_ORDER`, unknown ones last) and ordered by
     stage within a paradigm, a zeroed-KV control after the drafters of its stage; the table's order breaks ties."""
-    names = list(dict.fromkeys(table["drafter"]))
-    recorded = dict(
-        table[["drafter", "paradigm"]].drop_duplicates("drafter").itertuples(index=False, name=None)
-    )
-    rank = {p: i for i, p in enumerate(PARADIGM_ORDER)}
+    keys, rank = _paradigm_keys(table), {p: i for i, p in enumerate(PARADIGM_ORDER)}
 
     def key(i_name):
         i, name = i_name
-        group = rank.get(paradigm_of(name, recorded.get(name)), len(rank))
-        return group, stage_of(name), "zeroed" in name, i
+        return rank.get(keys[name], len(rank)), stage_of(name), "zeroed" in name, i
 
-    return [name for _, name in sorted(enumerate(names), key=key)]
+    return [name for _, name in sorted(enumerate(keys), key=key)]
 
 
 def plot_mat_by_drafter(
@@ -95,18 +98,14 @@ def plot_mat_by_drafter(
     """One panel per mode x temperature, a horizontal bar per drafter in its paradigm's colour, drafters grouped
     by paradigm and ordered by stage (:func:`drafter_order`), each with its 95% bootstrap interval where
     ``bootstrap`` (``acceptance_bootstrap.csv``) has one."""
-    summary = summary.copy()
-    if "paradigm" not in summary:
-        summary["paradigm"] = None
-    drafters = drafter_order(summary)
-    paradigm = dict(
-        summary[["drafter", "paradigm"]].drop_duplicates("drafter").itertuples(index=False, name=None)
-    )
-    groups = [paradigm_of(d, paradigm.get(d)) for d in drafters]
-    y, gap = [], 0.0  # a half-bar gap between paradigms
-    for i, g in enumerate(groups):
-        gap += 0.6 if i and g != groups[i - 1] else 0.0
+    keys, drafters = _paradigm_keys(summary), drafter_order(summary)
+    y, gap = [], 0.0  # a gap between paradigms
+    for i, name in enumerate(drafters):
+        gap += 0.6 if i and keys[name] != keys[drafters[i - 1]] else 0.0
         y.append(i + gap)
+    has_intervals = bootstrap is not None and not bootstrap.empty
+    where = ["drafter", "mode", "temperature"]
+    mats = bootstrap[bootstrap["metric"] == "mat"].set_index(where) if has_intervals else pd.DataFrame()
     panels = sorted(summary.groupby(["mode", "temperature"]).groups, key=lambda mt: (mt[1], mt[0]))
     fig, axes = plt.subplots(
         1, len(panels), figsize=(PAGE, 1.3 + 0.17 * y[-1]), sharex=True, sharey=True, squeeze=False
@@ -116,20 +115,12 @@ def plot_mat_by_drafter(
         for yi, name in zip(y, drafters):
             if name not in d.index:
                 continue
-            mat, err = float(d.at[name, "mat"]), None
-            if bootstrap is not None and not bootstrap.empty:
-                b = bootstrap[
-                    (bootstrap["drafter"] == name)
-                    & (bootstrap["mode"] == mode)
-                    & (bootstrap["temperature"] == temp)
-                    & (bootstrap["metric"] == "mat")
-                ]
-                if len(b):
-                    err = [[max(0.0, mat - b["lo"].iloc[0])], [max(0.0, b["hi"].iloc[0] - mat)]]
-            ax.barh(
-                yi, mat, 0.8, color=drafter_color(name, paradigm.get(name)), alpha=0.9 if temp == 0 else 0.55
-            )
-            if err is not None:
+            mat = float(d.at[name, "mat"])
+            color = drafter_color(name, keys[name])
+            ax.barh(yi, mat, 0.8, color=color, alpha=0.9 if temp == 0 else 0.55)
+            if (name, mode, temp) in mats.index:
+                lo, hi = mats.loc[(name, mode, temp), ["lo", "hi"]]
+                err = [[max(0.0, mat - lo)], [max(0.0, hi - mat)]]
                 ax.errorbar(mat, yi, xerr=err, color="0.15", lw=0.8, capsize=1.5)
         ax.axvline(1.0, color="gray", lw=0.8, ls=":")
         ax.set_title(f"{mode}, T = {temp:g}")
@@ -137,7 +128,7 @@ def plot_mat_by_drafter(
         ax.grid(axis="y", visible=False)
     axes[0][0].set_yticks(y, drafters)
     axes[0][0].invert_yaxis()
-    interval = " · bars: 95% bootstrap interval" if bootstrap is not None and not bootstrap.empty else ""
+    interval = " · bars: 95% bootstrap interval" if has_intervals else ""
     return finish_figure(fig, title + interval)
 
 
