@@ -415,6 +415,49 @@ def test_a_row_that_cuts_loops_trains_on_every_conversation_with_its_loops_cut(t
         reference_data.row_data(plan, tiny_llama, plan.row("hidden31-ttt-cut"), progress=False)
 
 
+def test_the_regenerate_step_tables_each_slices_tokens_after_its_loops_are_cut_or_dropped(
+    tiny_llama, tmp_path, monkeypatch
+):
+    """corpus_tokens.csv: one line per slice the rows read (a later stage's larger slice too), its tokens as
+    regenerated, and after each loop is cut or each looping conversation dropped, worked out from the lengths."""
+    from kvshot_lib.corpus import TokenizedSplit
+    from kvshot_lib.reference import data as reference_data
+
+    plan = load_plan("onpolicy", smoke=True)
+    for name in ("hidden31-ttt-s3", "hybrid31-ttt-s3", "hybrid31-ttt-s3-zeroed"):
+        plan.row(name).data["n_train_conversations"] = (
+            8  # smoke's stage 3 reads a smaller slice than the rest
+        )
+
+    def cut_three(split, stops):  # a stand-in cut: the smoke run's 8-token answers cannot loop
+        out = [x[:-3] if i % 2 == 0 else x for i, x in enumerate(split.ids)]
+        masks = [m[: len(x)] for m, x in zip(split.loss_mask, out)]
+        counts = dict(split.counts, looping_answers_cut=(len(out) + 1) // 2)
+        return TokenizedSplit(out, masks, list(split.source_ids), dict(split.spec, loops="cut"), counts)
+
+    monkeypatch.setattr(reference_data, "cut_looping", cut_three)
+    monkeypatch.setattr(
+        reference_data, "looping_conversations", lambda split, stops: [i % 3 == 0 for i in range(len(split))]
+    )
+    run_reference(plan, "cpu", ("regenerate",), root=tmp_path, progress=False)
+    got = pd.read_csv(tmp_path / "figures" / "onpolicy-smoke" / "data" / "corpus_tokens.csv")
+    assert list(got["conversations"]) == [8, 12]
+    lengths = [len(x) for x in reference_data.data_splits(plan, tiny_llama, "regenerated")[0].ids]
+    assert len(lengths) == 12
+    for _, line in got.iterrows():
+        n = line["conversations"]
+        first = lengths[:n]
+        assert line["regenerated"] == n and line["tokens"] == sum(first)
+        assert line["tokens_loops_cut"] == sum(first) - 3 * ((n + 1) // 2)
+        assert line["tokens_loops_dropped"] == sum(x for i, x in enumerate(first) if i % 3)
+        assert line["looping_conversations"] == (n + 2) // 3
+    assert (
+        got.set_index("conversations").loc[8, "rows"]
+        == "hidden31-ttt-s3 hybrid31-ttt-s3 hybrid31-ttt-s3-zeroed"
+    )
+    assert "hidden31-ttt-cut" in got.set_index("conversations").loc[12, "rows"].split()
+
+
 def test_two_rows_finishing_at_once_both_keep_their_tables(tmp_path, monkeypatch):
     """Two processes (here threads) merging into the run's tables at the same moment: neither drops the other's row."""
     import threading

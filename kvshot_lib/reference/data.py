@@ -6,6 +6,8 @@
   stores, extracted once in bf16 where the machine has it (resumable, :func:`~kvshot_lib.corpus.extract_features`)
   and reused by every row; an ``online`` row (the GPU plan) gets the tokenized slices. Either way one held-out
   set, collated for every feature any row reads, measures every row;
+* :func:`corpus_tokens`: what each regenerated training slice of the plan yields, before and after its loops are
+  cut or their conversations dropped (``corpus_tokens.csv``);
 * :func:`train_steps_for`: the optimizer steps of the plan's token-pass cap (``budget.token_passes``) on these
   sequences, so the cap is in tokens as the issue states it, whatever the sequence lengths.
 """
@@ -15,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
+import pandas as pd
 
 from ..corpus import (
     cached_regeneration,
@@ -105,6 +109,32 @@ def row_data(plan: Plan, target, row: Row, progress: bool = True) -> RowData:
     else:
         train, eval_set = kept, online_eval_set(held, *args)
     return RowData(train, held, what, eval_set, unique, mean_length)
+
+
+def corpus_tokens(plan: Plan, target) -> pd.DataFrame:
+    """One line per training slice that the plan's regenerated rows read (by its size, ``n_train_conversations``):
+    the conversations regenerated so far, their tokens as the target answered, and the unique training tokens
+    once each loop is cut (``loops: cut``) or each looping conversation dropped (``loops: drop``); with the rows
+    that read it."""
+    slices: dict[int, tuple[dict, list[str]]] = {}
+    for row in plan.rows.values():
+        if row.responses == "regenerated":
+            spec = plan.row_data_spec(row)
+            slices.setdefault(int(spec["n_train_conversations"]), (spec, []))[1].append(row.name)
+    stops, out = target.info.eos_token_ids, []
+    for n, (spec, names) in sorted(slices.items()):
+        train, _, what = data_splits(plan, target, "regenerated", spec)
+        if not what.startswith("regenerated"):
+            continue  # nothing of this slice is regenerated yet
+        looping = looping_conversations(train, stops)
+        cut = cut_looping(train, stops)
+        out.append(dict(
+            conversations=n, regenerated=len(train), tokens=train.n_tokens, tokens_loops_cut=cut.n_tokens,
+            tokens_loops_dropped=train.subset([i for i, bad in enumerate(looping) if not bad]).n_tokens,
+            looping_conversations=sum(looping), looping_answers_cut=cut.counts["looping_answers_cut"],
+            rows=" ".join(names),
+        ))  # fmt: skip
+    return pd.DataFrame(out)
 
 
 def train_steps_for(plan: Plan, row: Row, data: RowData) -> int | None:

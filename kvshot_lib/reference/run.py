@@ -7,7 +7,8 @@
 row and after the evaluation (:func:`~.tables.update_run`), so a run stopped half-way keeps what it finished:
 
 * ``regenerate`` (plans with ``responses: regenerated``, best on a GPU): the target's own greedy answers to the
-  held-out, then the training ShareGPT slice (:func:`regenerate_split`; resumable, cached as JSON);
+  held-out, then the training ShareGPT slice (:func:`regenerate_split`; resumable, cached as JSON), and what each
+  slice the rows read yields after loop handling (``corpus_tokens.csv``);
 * ``train``: every row of the plan in order (or the rows asked for), on one held-out set and one draft vocabulary
   (:mod:`.data`): each row trains to the plan's plateau rule or its token-pass cap (:func:`train_row`), resumes
   where a killed run last saved (bit-identical, :func:`~kvshot_lib.training.train_drafter`), and a finished row
@@ -36,7 +37,15 @@ from ..corpus import regenerate_sharegpt
 from ..target import load_target
 from ..target.assets import REPO_ROOT
 from .checkpoints import commit_checkpoint
-from .data import RowData, data_splits, draft_vocab, regeneration_root, row_data, train_steps_for
+from .data import (
+    RowData,
+    corpus_tokens,
+    data_splits,
+    draft_vocab,
+    regeneration_root,
+    row_data,
+    train_steps_for,
+)
 from .heldout import cross_heldout
 from .plan import Plan, PlanError, Row
 from .tables import acceptance_tables, trained_tables, update_run
@@ -356,6 +365,7 @@ def run_reference(
         record["regenerated"] = {
             s: len(regenerate_split(plan, target, s, progress=progress)[0]) for s in ("eval", "train")
         }
+        update({"corpus_tokens.csv": corpus_tokens(plan, target)}, "regenerate", [], draw=False)
     if "train" in steps:
         train_rows(plan, target, names, root, progress, update, **train_overrides)
         record["trained"] = names

@@ -8,6 +8,8 @@ different machines, build one table. :func:`update_run` writes
   ``heldout_eval.csv``, ``curve_points.csv`` (the loop's learning-curve log), ``training_times.csv``,
   ``kv_ablation.csv`` (real / zeroed / shuffled target KV) and the run's own ``reference_rows.csv`` (unique
   tokens, token-passes, wall time, machine, plateau, stopping, committed checkpoint per row);
+* what the regenerate step brings: ``corpus_tokens.csv`` (each regenerated training slice's tokens, before and
+  after its loops are cut or dropped, :func:`~.data.corpus_tokens`);
 * what the step on both held-out sets brings (:mod:`.heldout`): ``heldout_cross.csv``;
 * what the MT-bench evaluation brings (:func:`acceptance_tables`): ``acceptance_by_step.csv``,
   ``acceptance_summary.csv``, ``acceptance_bootstrap.csv`` (95% intervals of alpha_k, MAT, retention) and
@@ -50,6 +52,7 @@ KEYS = {
     "acceptance_bootstrap.csv": ACCEPTANCE,
     "acceptance_generations.csv": ACCEPTANCE,
     "reference_jobs.csv": ["job", "started"],
+    "corpus_tokens.csv": ["conversations"],
 }
 # Per-optimizer-step logs, thousands of rows per drafter: kept to this many significant digits, in memory before they
 # are drawn and written, so that the committed table stays small and a redraw from it is byte-identical.
