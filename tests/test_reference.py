@@ -149,7 +149,7 @@ def test_a_run_trained_to_a_plateau_is_judged_on_its_stable_phase():
 
     from kvshot_lib.training import stable_plateau
 
-    cfg = SimpleNamespace(plateau_stop=0.01, train_steps=100, decay_fraction=0.1)
+    cfg = SimpleNamespace(plateau_stop=0.01, plateau_min_steps=0, train_steps=100, decay_fraction=0.1)
     ruled = evals(0.15, 0.19, 0.205, 0.21) + [dict(step=44, acc_0=0.24)]  # rule at 40, decay to 44
     got = stable_plateau(cfg, ruled)
     assert got["decay_from"] == 40 and got["plateaued"] is True
@@ -160,6 +160,28 @@ def test_a_run_trained_to_a_plateau_is_judged_on_its_stable_phase():
     got = stable_plateau(cfg, capped)
     assert got["decay_from"] is None and got["plateau_to_step"] == 90  # the planned decay starts at 90
     assert got["plateau_from_step"] == 60 and got["plateau_delta"] == pytest.approx(0.06)
+
+
+def test_the_plateau_rule_waits_for_its_first_step():
+    """An early lull (steps 30-40 move 0.004) fires the rule at once; with ``plateau_min_steps`` it waits, and fires
+    at the first evaluation from there whose last quarter moved under the tolerance: step 100 (0.580 -> 0.585)."""
+    from types import SimpleNamespace
+
+    from kvshot_lib.training import plateau_step, stable_plateau
+
+    log = evals(0.10, 0.20, 0.300, 0.304, 0.40, 0.50, 0.58, 0.582, 0.584, 0.585)  # steps 10..100
+    assert plateau_step(log, 0.01) == 40
+    assert plateau_step(log, 0.01, min_step=41) == plateau_step(log, 0.01, min_step=100) == 100
+    assert plateau_step(log, 0.01, min_step=101) is None
+    cfg = SimpleNamespace(plateau_stop=0.01, plateau_min_steps=50, train_steps=200, decay_fraction=0.1)
+    assert stable_plateau(cfg, log)["decay_from"] == 100
+    with pytest.raises(TrainConfigError, match="only with plateau_stop"):
+        TrainConfig("hidden", "ttt", plateau_min_steps=50)
+    # a saved config of before the key matches a config at its default; a set key is saved and read back
+    assert "plateau_min_steps" not in TrainConfig("hidden", "ttt").as_dict()
+    waits = TrainConfig("hidden", "ttt", schedule="wsd", eval_every=10, plateau_stop=0.01, plateau_min_steps=50)
+    assert waits.as_dict()["plateau_min_steps"] == 50
+    assert TrainConfig.from_params(waits.as_dict()) == waits
 
 
 def test_early_stopping_restores_the_best_drafter(peaky, splits, tmp_path):

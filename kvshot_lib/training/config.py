@@ -27,6 +27,9 @@ from .schedule import SCHEDULES
 
 DATA_SOURCES = ("store", "online")
 STOP_METRICS = ("mat", "acc_0")
+# Parameters added after runs were saved with the rest: as_dict() leaves each out at its default, so that those
+# runs' saved configs still match (a finished row is read back, a killed one resumes) and their hashes hold.
+ADDED_LATER = {"plateau_min_steps": 0}
 
 
 class TrainConfigError(ValueError):
@@ -73,6 +76,8 @@ class TrainConfig:
     curve_points: int = 0
     # wsd: end the stable phase once held-out acc_0 moved by less than this over the last quarter (0 = off)
     plateau_stop: float = 0.0
+    # ...and not before this step (0: from the fourth evaluation); a run on a large corpus sees it once first
+    plateau_min_steps: int = 0
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 0.5  # global-norm clipping (0 = off)
@@ -143,6 +148,9 @@ class TrainConfig:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["adam_betas"] = list(self.adam_betas)
+        for name, default in ADDED_LATER.items():  # at its default: as the runs saved before it recorded it
+            if d[name] == default:
+                del d[name]
         return d
 
     def validate(self) -> None:
@@ -219,6 +227,8 @@ class TrainConfig:
                 f"plateau_stop={self.plateau_stop}: training to a plateau needs schedule='wsd' (it ends the stable "
                 "phase where acc_0 stops moving) and held-out evaluations (eval_every > 0)."
             )
+        if self.plateau_min_steps < 0 or (self.plateau_min_steps and not self.plateau_stop):
+            bad(f"plateau_min_steps={self.plateau_min_steps}: a step >= 0, and only with plateau_stop > 0.")
         if self.curve_points and not self.eval_sequences:
             bad("curve_points needs held-out evaluations (eval_sequences >= 1).")
         for name in ("grad_scale", "lr_scale"):

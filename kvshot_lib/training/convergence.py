@@ -105,7 +105,7 @@ class Stopping:
     def follow_plateau(self, evals: list[dict]) -> None:
         """End the stable phase at the first evaluation where the plateau rule holds."""
         if self.cfg.plateau_stop and self.decay_from is None:
-            self.decay_from = plateau_step(evals, self.cfg.plateau_stop)
+            self.decay_from = plateau_step(evals, self.cfg.plateau_stop, min_step=self.cfg.plateau_min_steps)
 
     def is_last(self, step: int, t_start: float, acc) -> bool:
         """Whether step ``step`` (0-based) ends the run: its end, or the time cap (the same on every process)."""
@@ -163,13 +163,16 @@ def plateau(evals: list[dict], fraction: float = 0.2, tol: float = 0.01, metric:
     )
 
 
-def plateau_step(evals: list[dict], tol: float, fraction: float = 0.25, min_evals: int = 4) -> int | None:
+def plateau_step(
+    evals: list[dict], tol: float, fraction: float = 0.25, min_evals: int = 4, min_step: int = 0
+) -> int | None:
     """The step of the first held-out evaluation at which acc_0 had moved by less than ``tol`` over the last
-    ``fraction`` of the steps (:func:`plateau`), among runs of at least ``min_evals`` evaluations; None if none
-    has. Training to a plateau ends its stable phase there (``training/schedule.py``)."""
+    ``fraction`` of the steps (:func:`plateau`), among runs of at least ``min_evals`` evaluations and at steps
+    from ``min_step`` on; None if none has. Training to a plateau ends its stable phase there
+    (``training/schedule.py``)."""
     rows = sorted((r for r in evals if "acc_0" in r and not _restored(r)), key=lambda r: r["step"])
     for i in range(min_evals - 1, len(rows)):
-        if plateau(rows[: i + 1], fraction, tol)["plateaued"]:
+        if rows[i]["step"] >= min_step and plateau(rows[: i + 1], fraction, tol)["plateaued"]:
             return int(rows[i]["step"])
     return None
 
@@ -214,7 +217,7 @@ def stable_plateau(cfg, evals: list[dict]) -> dict:
     """The plateau rule's own judgement of a run trained to a plateau (``plateau_stop``): over the evaluations of
     its stable phase, up to the step where the rule ended it (``decay_from``) or, at the cap, where the planned
     decay began. The annealed final evaluation is left out: its jump is the decay's, not training's."""
-    decay_from = plateau_step(evals, cfg.plateau_stop)
+    decay_from = plateau_step(evals, cfg.plateau_stop, min_step=cfg.plateau_min_steps)
     end = decay_start(cfg, decay_from)
     stable = [r for r in evals if r.get("step") is not None and r["step"] <= end]
     return dict(plateau(stable, 0.25, cfg.plateau_stop), decay_from=decay_from)
