@@ -179,7 +179,9 @@ def test_the_plateau_rule_waits_for_its_first_step():
         TrainConfig("hidden", "ttt", plateau_min_steps=50)
     # a saved config of before the key matches a config at its default; a set key is saved and read back
     assert "plateau_min_steps" not in TrainConfig("hidden", "ttt").as_dict()
-    waits = TrainConfig("hidden", "ttt", schedule="wsd", eval_every=10, plateau_stop=0.01, plateau_min_steps=50)
+    waits = TrainConfig(
+        "hidden", "ttt", schedule="wsd", eval_every=10, plateau_stop=0.01, plateau_min_steps=50
+    )
     assert waits.as_dict()["plateau_min_steps"] == 50
     assert TrainConfig.from_params(waits.as_dict()) == waits
 
