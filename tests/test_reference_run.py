@@ -378,25 +378,26 @@ def test_a_row_that_drops_looping_answers_trains_on_the_other_conversations(tiny
     assert len(part.held) == len(full.held)  # one held-out set measures every row
 
 
-def test_a_row_that_cuts_loops_trains_on_every_conversation_with_its_loops_cut(tiny_llama, monkeypatch):
+def cut_three_of_every_other(split, stops):
+    """A stand-in for ``cut_looping`` (the smoke run's 8-token answers cannot loop): the last three tokens of every
+    other conversation, from the first, go."""
     from kvshot_lib.corpus import TokenizedSplit
+
+    out = [x[:-3] if i % 2 == 0 else x for i, x in enumerate(split.ids)]
+    masks = [m[: len(x)] for m, x in zip(split.loss_mask, out)]
+    n_cut = (len(out) + 1) // 2
+    counts = dict(split.counts, looping_answers_cut=n_cut, looping_tokens_cut=3 * n_cut)
+    return TokenizedSplit(out, masks, list(split.source_ids), dict(split.spec, loops="cut"), counts)
+
+
+def test_a_row_that_cuts_loops_trains_on_every_conversation_with_its_loops_cut(tiny_llama, monkeypatch):
     from kvshot_lib.reference import data as reference_data
 
     plan = load_plan("onpolicy", smoke=True)
     full = reference_data.row_data(plan, tiny_llama, plan.row("hidden31-ttt"), progress=False)
     ids = lambda store, i: store.sequence(i, ["input_ids"])["input_ids"]  # noqa: E731
 
-    def cut_first_three(split, stops):  # a stand-in cut: the smoke run's 8-token answers cannot loop
-        out = [x[:-3] if i % 2 == 0 else x for i, x in enumerate(split.ids)]
-        masks = [m[: len(x)] for m, x in zip(split.loss_mask, out)]
-        counts = dict(
-            split.counts,
-            looping_answers_cut=(len(out) + 1) // 2,
-            looping_tokens_cut=3 * ((len(out) + 1) // 2),
-        )
-        return TokenizedSplit(out, masks, list(split.source_ids), dict(split.spec, loops="cut"), counts)
-
-    monkeypatch.setattr(reference_data, "cut_looping", cut_first_three)
+    monkeypatch.setattr(reference_data, "cut_looping", cut_three_of_every_other)
     cut = reference_data.row_data(plan, tiny_llama, plan.row("hidden31-ttt-cut"), progress=False)
     assert len(cut.train) == len(full.train)  # every conversation kept
     for i in range(len(full.train)):
@@ -420,7 +421,6 @@ def test_the_regenerate_step_tables_each_slices_tokens_after_its_loops_are_cut_o
 ):
     """corpus_tokens.csv: one line per slice the rows read (a later stage's larger slice too), its tokens as
     regenerated, and after each loop is cut or each looping conversation dropped, worked out from the lengths."""
-    from kvshot_lib.corpus import TokenizedSplit
     from kvshot_lib.reference import data as reference_data
 
     plan = load_plan("onpolicy", smoke=True)
@@ -429,13 +429,7 @@ def test_the_regenerate_step_tables_each_slices_tokens_after_its_loops_are_cut_o
             8  # smoke's stage 3 reads a smaller slice than the rest
         )
 
-    def cut_three(split, stops):  # a stand-in cut: the smoke run's 8-token answers cannot loop
-        out = [x[:-3] if i % 2 == 0 else x for i, x in enumerate(split.ids)]
-        masks = [m[: len(x)] for m, x in zip(split.loss_mask, out)]
-        counts = dict(split.counts, looping_answers_cut=(len(out) + 1) // 2)
-        return TokenizedSplit(out, masks, list(split.source_ids), dict(split.spec, loops="cut"), counts)
-
-    monkeypatch.setattr(reference_data, "cut_looping", cut_three)
+    monkeypatch.setattr(reference_data, "cut_looping", cut_three_of_every_other)
     monkeypatch.setattr(
         reference_data, "looping_conversations", lambda split, stops: [i % 3 == 0 for i in range(len(split))]
     )

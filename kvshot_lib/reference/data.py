@@ -77,11 +77,10 @@ def row_data(plan: Plan, target, row: Row, progress: bool = True) -> RowData:
     train, held, what = data_splits(plan, target, row.responses, spec)
     keep = None
     if row.loops == "drop":
-        looping = looping_conversations(train, target.info.eos_token_ids)
-        keep = [i for i, bad in enumerate(looping) if not bad]
+        keep = without_looping(train, target.info.eos_token_ids)
         if not keep:
             raise PlanError(f"row {row.name!r} drops looping answers, and every training conversation loops.")
-        what += f", without the {sum(looping)} conversations whose answers loop"
+        what += f", without the {len(train) - len(keep)} conversations whose answers loop"
     base = row.train_config()
     crop = base.max_tokens or math.inf
     floor = int(spec.get("min_train_tokens", 0))  # how far the slice must reach, before any row's filter
@@ -111,6 +110,11 @@ def row_data(plan: Plan, target, row: Row, progress: bool = True) -> RowData:
     return RowData(train, held, what, eval_set, unique, mean_length)
 
 
+def without_looping(train, stops) -> list[int]:
+    """The indices of ``train``'s conversations none of whose answers loops (what ``loops: drop`` keeps)."""
+    return [i for i, bad in enumerate(looping_conversations(train, stops)) if not bad]
+
+
 def corpus_tokens(plan: Plan, target) -> pd.DataFrame:
     """One line per training slice that the plan's regenerated rows read (by its size, ``n_train_conversations``):
     the conversations regenerated so far, their tokens as the target answered, and the unique training tokens
@@ -126,12 +130,11 @@ def corpus_tokens(plan: Plan, target) -> pd.DataFrame:
         train, _, what = data_splits(plan, target, "regenerated", spec)
         if not what.startswith("regenerated"):
             continue  # nothing of this slice is regenerated yet
-        looping = looping_conversations(train, stops)
-        cut = cut_looping(train, stops)
+        keep, cut = without_looping(train, stops), cut_looping(train, stops)
         out.append(dict(
             conversations=n, regenerated=len(train), tokens=train.n_tokens, tokens_loops_cut=cut.n_tokens,
-            tokens_loops_dropped=train.subset([i for i, bad in enumerate(looping) if not bad]).n_tokens,
-            looping_conversations=sum(looping), looping_answers_cut=cut.counts["looping_answers_cut"],
+            tokens_loops_dropped=train.subset(keep).n_tokens, looping_conversations=len(train) - len(keep),
+            looping_answers_cut=cut.counts["looping_answers_cut"],
             rows=" ".join(names),
         ))  # fmt: skip
     return pd.DataFrame(out)
