@@ -20,7 +20,7 @@ from .drafters import DrafterConfigError, DrafterTargetMismatch
 from .drafters import cli as export_cli
 from .evaluation import cli as bench_cli
 from .plots import FigureDataError, figures
-from .target import MissingAssetError, TargetLoadError
+from .target import MissingAssetError, PrecisionError, TargetLoadError
 from .training import TrainConfigError
 from .training import cli as train_cli
 
@@ -32,6 +32,7 @@ USER_ERRORS = (
     TrainConfigError,
     FeatureStoreMismatch,
     FigureDataError,
+    PrecisionError,
     runner.ProfileError,
 )
 

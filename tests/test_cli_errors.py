@@ -16,6 +16,7 @@ from kvshot_lib import cli, target
 from kvshot_lib.decoding import cli as generate_cli
 from kvshot_lib.drafters import build_drafter, drafter_config_for, save_drafter
 from kvshot_lib.evaluation import cli as bench_cli
+from kvshot_lib.target import precision
 
 
 def no_loading(monkeypatch):
@@ -128,6 +129,13 @@ def test_an_early_exit_deeper_than_the_target_is_refused(tiny_llama, monkeypatch
 def test_bad_settings_and_counts_are_refused_before_loading(argv, expected, monkeypatch):
     no_loading(monkeypatch)
     assert expected in cli_error(argv)
+
+
+def test_bf16_on_a_cpu_without_it_is_refused_before_loading(monkeypatch):
+    no_loading(monkeypatch)
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)
+    message = cli_error(["bench", "--device", "cpu", "--precisions", "fp32", "bf16"])
+    assert "neither AMX-BF16 nor AVX512-BF16" in message and "\n" not in message
 
 
 def test_an_unknown_target_is_one_line(monkeypatch):

@@ -210,15 +210,19 @@ def test_the_qwen3_8b_speed_table_is_sized_for_5_percent_intervals():
 
 
 def test_the_qwen3_8b_dry_run_with_the_committed_h200_check(tmp_path):
-    """213 h before it costed replay as replay and sized 03 and 06 by their intervals; with the CUDA-graph path's
-    ~100 tok/s (the issue's goal) it is within a day."""
+    """The committed H200 check measured the CUDA-graph path (94.9 tok/s): the whole qwen3-8b profile then fits in
+    a day; without that rate (eager plain decoding, 14.8 tok/s on the same machine) it does not."""
     full, check = _full("qwen3-8b"), json.loads((RESULTS / "gpu_check_nvidia-h200.json").read_text())
+    assert (
+        check["stages"]["plain_decoding"]["graphs_tokens_per_s"]
+        > 5 * check["stages"]["plain_decoding"]["tokens_per_s"]
+    )
     hours = {}
-    for path, graphs in ((tmp_path / "eager", None), (tmp_path / "graphs", 100.0)):
+    for path, graphs in ((tmp_path / "measured", True), (tmp_path / "eager", False)):
         path.mkdir()
-        if graphs:
-            check["stages"]["plain_decoding"]["graphs_tokens_per_s"] = graphs
+        if not graphs:
+            del check["stages"]["plain_decoding"]["graphs_tokens_per_s"]
         (path / "gpu_check_nvidia-h200.json").write_text(json.dumps(check))
         planned, _ = needs.plan_needs(full, sorted(full), path)
         hours[graphs] = sum(n.hours for n in planned)
-    assert hours[None] < 35 and hours[100.0] <= 24
+    assert hours[True] <= 24 < hours[False]

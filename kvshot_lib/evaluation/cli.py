@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..decoding.cli import check_drafter_spec, decode_args, decode_config, load_cli_drafter, load_cli_target
 from ..drafters import checkpoint_label
-from ..target import DECODE_PRECISIONS
+from ..target import DECODE_PRECISIONS, decode_dtype
 from . import speed_table, speedup
 
 COLUMNS = [
@@ -100,6 +100,10 @@ def _cli_bench(args) -> int:
         drafter_methods[name] = tuple(listed.split(","))
     for spec in args.drafters:
         check_drafter_spec(spec, args.target)
+    for precision in set(args.precisions) - {"auto"}:
+        decode_dtype(
+            precision, args.device
+        )  # bf16 on a CPU without it: refused here, before the target loads
     target = load_cli_target(args)
     drafters = {_label(spec): load_cli_drafter(spec, target, args.seed) for spec in args.drafters}
     setups = speedup.precision_setups(target, drafters, args.precisions)
