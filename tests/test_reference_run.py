@@ -275,6 +275,42 @@ def test_significant_rounds_float_columns_once():
     pd.testing.assert_frame_equal(tables.significant(got, 5), got)  # rounding again changes nothing
 
 
+def test_step_blocks_average_each_drafters_blocks_once():
+    """Steps 1..3 of ``a`` with blocks of 2: (1, 2) and (3); ``b`` is already blocked and passes through."""
+    raw = pd.DataFrame(
+        dict(
+            step=[3, 1, 2],
+            loss=[5.0, 1.0, 2.0],
+            lr=[0.3, 0.1, 0.2],
+            seconds=[9.0, 4.0, 6.0],
+            epoch=[0.3, 0.1, 0.2],
+            tokens=[30, 10, 20],
+            drafter="a",
+            paradigm="hidden",
+        )
+    )
+    done = pd.DataFrame(
+        dict(
+            step=[2],
+            loss=[7.0],
+            lr=[0.1],
+            seconds=[1.0],
+            epoch=[0.5],
+            tokens=[8],
+            drafter="b",
+            paradigm="kv",
+            steps=[2],
+        )
+    )
+    got = tables.step_blocks(pd.concat([done, raw], ignore_index=True), 2)
+    a = got[got["drafter"] == "a"].set_index("step")
+    assert a.index.tolist() == [2, 3] and a["steps"].tolist() == [2, 1]
+    assert a.loc[2, ["loss", "lr", "seconds", "epoch", "tokens"]].tolist() == [1.5, 0.2, 6.0, 0.2, 30]
+    assert a.loc[3, ["loss", "tokens"]].tolist() == [5.0, 30] and (a["paradigm"] == "hidden").all()
+    assert got[got["drafter"] == "b"].to_dict("records") == done.to_dict("records")
+    pd.testing.assert_frame_equal(tables.step_blocks(got, 2), got)  # blocking again changes nothing
+
+
 def test_the_onpolicy_rows_are_measured_beside_the_reference_runs_checkpoints(tiny_llama, tmp_path):
     """The on-policy eval loads checkpoints/reference/<row> as <row>@reference and pairs each row with it."""
     from conftest import trained_like

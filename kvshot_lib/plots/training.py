@@ -62,13 +62,17 @@ def _legend_outside(fig, handles, labels) -> None:
 
 
 def plot_training_curves(history: pd.DataFrame, smooth: int = 10):
-    """Training loss and training step-0 agreement with the target, per drafter, against optimizer steps."""
+    """Training loss and training step-0 agreement with the target, per drafter, against optimizer steps: a rolling
+    mean of ``smooth`` steps (of fewer rows where a row holds a block of ``steps``, as the reference runs' tables)."""
     fig, axes = plt.subplots(1, 2, figsize=(PAGE, 2.6))
     for name, style in _styles(history).items():
         h = history[history["drafter"] == name].sort_values("step")
+        window = (
+            max(1, smooth // int(h["steps"].max())) if "steps" in h and h["steps"].notna().all() else smooth
+        )
         kw = dict(**style, label=name, lw=1.4)
-        axes[0].plot(h["step"], h["loss"].rolling(smooth, min_periods=1).mean(), **kw)
-        axes[1].plot(h["step"], h["acc_0"].rolling(smooth, min_periods=1).mean(), **kw)
+        axes[0].plot(h["step"], h["loss"].rolling(window, min_periods=1).mean(), **kw)
+        axes[1].plot(h["step"], h["acc_0"].rolling(window, min_periods=1).mean(), **kw)
     axes[0].set_yscale("log")
     axes[0].set_ylabel(f"training loss (rolling mean of {smooth})")
     axes[1].set_ylabel("step-0 top-1 agreement with the target (train)")
@@ -112,7 +116,7 @@ def plot_per_step_accuracy(per_step: pd.DataFrame):
 
 
 def plot_heldout_cross(table: pd.DataFrame):
-    """One panel per held-out set (ShareGPT's original answers, the target's own): per-step accuracy of every
+    """One panel per held-out set (ShareGPT's original answers, the target's own, with its loops cut): per-step accuracy of every
     drafter, solid where it trained on that panel's kind of answers and dashed where it trained on the other,
     with 95% Wilson bands and the token-passes each trained for in the legend."""
     sets = list(dict.fromkeys(table["heldout"]))
@@ -132,14 +136,13 @@ def plot_heldout_cross(table: pd.DataFrame):
             ax.plot(d["draft_step"], d["accuracy"], marker="o", ms=3, label=label, **looks[name])
             lo, hi = wilson_interval(d["accuracy"], d["n"])
             ax.fill_between(d["draft_step"], lo, hi, color=looks[name]["color"], alpha=0.12, lw=0)
-        ax.set_title(
-            f"held-out: {held} answers (ceiling {part['ceiling'].min():.2f}–{part['ceiling'].max():.2f})"
-        )
+        ceiling = f"{part['ceiling'].min():.2f}–{part['ceiling'].max():.2f}"
+        ax.set_title(f"{held} answers\n(held out; ceiling {ceiling})", fontsize=9)
         ax.set_xlabel("draft step k")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylim(0, None)
     axes[0][0].set_ylabel("held-out accuracy at draft step k")
-    fig.suptitle("Each drafter on both held-out sets (legend: the answers it trained on, token-passes)")
+    fig.suptitle("Each drafter on each held-out set (legend: the answers it trained on, token-passes)")
     fig.tight_layout()
     _legend_outside(fig, *axes[0][0].get_legend_handles_labels())
     return fig

@@ -54,9 +54,17 @@ KEYS = {
     "reference_jobs.csv": ["job", "started"],
     "corpus_tokens.csv": ["conversations"],
 }
-# Per-optimizer-step logs, thousands of rows per drafter: kept to this many significant digits, in memory before they
-# are drawn and written, so that the committed table stays small and a redraw from it is byte-identical.
+# Per-optimizer-step logs, thousands of rows per drafter: kept as one row per block of this many optimizer steps
+# (:func:`step_blocks`) and to this many significant digits, in memory before they are drawn and written, so that
+# the committed table stays small and a redraw from it is byte-identical.
+BLOCKED = {"training_history.csv": 10}
 ROUNDED = {"training_history.csv": 5}
+LAST_IN_BLOCK = (
+    "step",
+    "lr",
+    "seconds",
+    "epoch",
+)  # the block's last step's: seconds and epoch are cumulative
 FIGURES = {
     "02_per_step_accuracy": ("per_step_accuracy.csv",),
     "02_training_curves": ("training_history.csv",),
@@ -259,6 +267,8 @@ def _merge_and_write(plan, new: dict, data_dir: Path, results: Path, figure_dir:
     tables = {t: _read(data_dir, t) for t in KEYS}
     for t, df in new.items():
         tables[t] = replace_rows(tables[t], df, KEYS[t])
+    for t, size in BLOCKED.items():
+        tables[t] = step_blocks(tables[t], size)
     for t, digits in ROUNDED.items():
         tables[t] = significant(tables[t], digits)
     tables.update(derived_tables(tables, getattr(plan, "comparisons", ()), plan.baseline_pairs()))
@@ -271,6 +281,31 @@ def _merge_and_write(plan, new: dict, data_dir: Path, results: Path, figure_dir:
         written.append(t)
     figures = _publish(plan, tables, results, figure_dir) if draw else []
     return dict(tables=written, figures=figures)
+
+
+def step_blocks(history: pd.DataFrame, size: int) -> pd.DataFrame:
+    """``history``'s per-step rows as one row per drafter and ``size`` consecutive optimizer steps (steps 1..size,
+    size+1..2 size, ...): the block's last ``step``, ``lr``, ``seconds`` and ``epoch``, its summed ``tokens``, the mean
+    of every other number, and ``steps``, how many optimizer steps the row holds. Rows that already hold their
+    ``steps`` pass through, so that applying it again changes nothing."""
+    if history.empty or "step" not in history:
+        return history
+    raw = history["steps"].isna() if "steps" in history else pd.Series(True, index=history.index)
+    per_step = history[raw].drop(columns=["steps"], errors="ignore")
+    if per_step.empty:
+        return history
+    numbers = per_step.select_dtypes("number").columns
+    how = {c: "last" if c in LAST_IN_BLOCK else "sum" if c == "tokens" else "mean" for c in numbers}
+    how.update({c: "first" for c in per_step.columns if c not in numbers and c != "drafter"})
+    blocks = (
+        per_step.sort_values(["drafter", "step"], kind="stable")
+        .assign(steps=1, _block=lambda d: (d["step"] - 1) // size)
+        .groupby(["drafter", "_block"], sort=False)
+        .agg({**how, "steps": "sum"})
+        .reset_index()
+        .drop(columns="_block")[[*per_step.columns, "steps"]]
+    )
+    return pd.concat([history[~raw], blocks], ignore_index=True)
 
 
 def significant(df: pd.DataFrame, digits: int) -> pd.DataFrame:
