@@ -100,10 +100,9 @@ def _cli_bench(args) -> int:
         drafter_methods[name] = tuple(listed.split(","))
     for spec in args.drafters:
         check_drafter_spec(spec, args.target)
+    # bf16 on a CPU without it: refused here, before the target loads
     for precision in set(args.precisions) - {"auto"}:
-        decode_dtype(
-            precision, args.device
-        )  # bf16 on a CPU without it: refused here, before the target loads
+        decode_dtype(precision, args.device)
     target = load_cli_target(args)
     drafters = {_label(spec): load_cli_drafter(spec, target, args.seed) for spec in args.drafters}
     setups = speedup.precision_setups(target, drafters, args.precisions)

@@ -116,9 +116,9 @@ def plot_per_step_accuracy(per_step: pd.DataFrame):
 
 
 def plot_heldout_cross(table: pd.DataFrame):
-    """One panel per held-out set (ShareGPT's original answers, the target's own, with its loops cut): per-step accuracy of every
-    drafter, solid where it trained on that panel's kind of answers and dashed where it trained on the other,
-    with 95% Wilson bands and the token-passes each trained for in the legend."""
+    """One panel per held-out set (ShareGPT's original answers, the target's own, the target's with its loops cut):
+    per-step accuracy of every drafter, solid where it trained on that panel's kind of answers and dashed where it
+    trained on the other, with 95% Wilson bands and the token-passes each trained for in the legend."""
     sets = list(dict.fromkeys(table["heldout"]))
     fig, axes = plt.subplots(1, len(sets), figsize=(PAGE, 2.8), sharey=True, squeeze=False)
     looks = shade_lookalikes(

@@ -59,12 +59,8 @@ KEYS = {
 # the committed table stays small and a redraw from it is byte-identical.
 BLOCKED = {"training_history.csv": 10}
 ROUNDED = {"training_history.csv": 5}
-LAST_IN_BLOCK = (
-    "step",
-    "lr",
-    "seconds",
-    "epoch",
-)  # the block's last step's: seconds and epoch are cumulative
+# the block's last step's values (seconds and epoch are cumulative)
+LAST_IN_BLOCK = ("step", "lr", "seconds", "epoch")
 FIGURES = {
     "02_per_step_accuracy": ("per_step_accuracy.csv",),
     "02_training_curves": ("training_history.csv",),
