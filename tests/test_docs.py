@@ -48,6 +48,8 @@ NOT_PATHS = {"Qwen/Qwen3-8B"}  # a Hugging Face model id
 OUTPUT_FLAGS = {"--out", "--root", ">", ">>"}
 SHELL_OPERATORS = {"|", "||", "&&", ";", "&", ">", ">>", "2>&1"}
 TRACKER_RE = re.compile(r"\b(issue|stop|ticket|PR)[ #-]?\d+\b", re.I)
+# a fenced block, also one indented in a list item
+FENCE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.M | re.S)
 
 
 # --- what the docs name ----------------------------------------------------------------------------------
@@ -57,10 +59,10 @@ def split_code(text: str) -> tuple[list[str], list[str], str]:
     """(code chunks, link targets, prose): each fenced block's logical lines (comments and line continuations
     folded) and each inline code span are chunks."""
     chunks = []
-    for block in re.findall(r"^```[^\n]*\n(.*?)^```", text, re.M | re.S):
+    for block in FENCE.findall(text):
         for line in block.replace("\\\n", " ").splitlines():
             chunks.append(re.sub(r"(^|\s)#.*", "", line))
-    prose = re.sub(r"^```[^\n]*\n.*?^```", "", text, flags=re.M | re.S)
+    prose = FENCE.sub("", text)
     chunks += [c for c in re.findall(r"`([^`]+)`", prose) if "\n\n" not in c]
     links = re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", prose))
     return chunks, links, prose
@@ -331,3 +333,10 @@ def test_the_checks_catch_what_is_missing(cli_parsers):
     assert any("no_such_profile" in w for w in found)
     assert any("make no-such-target" in w for w in found)
     assert not command_problems("`kvshot figures --profile reference`", subcommands, reference)
+    in_a_list = (
+        "1. Build it:\n\n   ```bash\n   make no-such-listed-target\n   ```\n\n"
+        "   Then `kvshot figures` may make room for `checkpoints/`.\n"
+    )
+    assert command_problems(in_a_list, subcommands, reference) == [
+        "`make no-such-listed-target`: no such Makefile target"
+    ]
