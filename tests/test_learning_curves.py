@@ -13,6 +13,7 @@ from kvshot_lib.training import (
     curve_steps,
     lr_factor,
     plateau_step,
+    read_train_state,
     train_drafter,
 )
 
@@ -86,6 +87,42 @@ def test_decay_branches_leave_the_main_run_unchanged_and_equal_a_separate_run(ti
         assert point[f"acc_{k}"] == final[f"acc_{k}"]
         assert point[f"ce_{k}"] == pytest.approx(final[f"ce_{k}"], rel=1e-6)
     assert point["tokens"] == sum(r["tokens"] for r in alone.logs["history"])
+
+
+def test_a_run_killed_after_a_decay_branch_resumes_without_training_it_again(
+    tiny_llama, stores, tmp_path, monkeypatch
+):
+    """The state is saved after each branch (here the only saves: save_every is past the run's end), so a run
+    killed after its second branch resumes from that step and ends as the uninterrupted run, branches included."""
+    from kvshot_lib.training import loop
+
+    c = cfg(train_steps=40, curve_points=3, save_every=1000)
+    whole = train_drafter(tiny_llama, *stores, c, tmp_path / "whole", progress=False)
+    real_branch, real_batch, branches = loop._decay_branch, StoreBatches.batch, []
+
+    def branch(*args, **kwargs):
+        point = real_branch(*args, **kwargs)
+        branches.append(point["budget_step"])
+        return point
+
+    def batch(self, step):  # killed at the first batch the main loop asks for after the second branch
+        if len(branches) == 2:
+            raise KeyboardInterrupt
+        return real_batch(self, step)
+
+    monkeypatch.setattr(loop, "_decay_branch", branch)
+    monkeypatch.setattr(StoreBatches, "batch", batch)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(tiny_llama, *stores, c, tmp_path / "k", progress=False)
+    monkeypatch.setattr(StoreBatches, "batch", real_batch)
+    state = read_train_state(tmp_path / "k")
+    assert branches == [10, 20] and state is not None and state["step"] == 20
+    resumed = train_drafter(tiny_llama, *stores, c, tmp_path / "k", progress=False)
+    assert branches == [10, 20]  # no branch trained again (40 is the run's own end, not a branch)
+    assert [r["loss"] for r in resumed.logs["history"]] == [r["loss"] for r in whole.logs["history"]]
+    assert [(p["budget_step"], p["acc_0"]) for p in resumed.logs["curve"]] == [
+        (p["budget_step"], p["acc_0"]) for p in whole.logs["curve"]
+    ]
 
 
 def test_fit_recovers_a_known_asymptote_within_its_interval():

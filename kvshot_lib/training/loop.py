@@ -195,7 +195,8 @@ def train_drafter(
         row["epoch"] = loader.epoch_of(step + 1)
         logs["history"].append(row)
         stable = decay_from is None or step + 1 <= decay_from
-        if step + 1 in budgets and step + 1 < end and stable:  # a learning-curve point (training/schedule.py)
+        branched = step + 1 in budgets and step + 1 < end and stable  # a learning-curve point (schedule.py)
+        if branched:
             seen = sum(r["tokens"] for r in logs["history"])
             logs["curve"].append(_decay_branch(ctx, loader, step, evaluate, seen))
         bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc0:.2f}")
@@ -211,7 +212,8 @@ def train_drafter(
             last = stopping.evaluated(logs["eval"], drafter, last)
         if last:
             break
-        if acc.is_main_process and cfg.save_every and (step + 1) % cfg.save_every == 0:
+        # saved after each decay branch too, so that a run killed later does not train the branch again
+        if acc.is_main_process and cfg.save_every and ((step + 1) % cfg.save_every == 0 or branched):
             seconds = time.perf_counter() - t_start
             state_logs = {**logs, "_seconds": seconds}
             save_train_state(out, drafter, optimizer, step + 1, cfg.as_dict(), state_logs, stopping.early)
