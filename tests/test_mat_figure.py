@@ -23,7 +23,9 @@ def test_drafters_are_grouped_by_paradigm_and_ordered_by_stage():
         ("kv-ttt", "kv"),
         ("hybrid31-ttt-zeroed", "hybrid"),
         ("hybrid31-ttt", "hybrid"),
+        ("hybrid-ttt", "hybrid"),
         ("none-ttt", "none"),
+        ("hidden31-ttt@reference", "hidden"),
         ("hidden31-ttt", "hidden"),
     ]
     table = pd.DataFrame(rows, columns=["drafter", "paradigm"])
@@ -33,8 +35,10 @@ def test_drafters_are_grouped_by_paradigm_and_ordered_by_stage():
         "kv-ttt",
         "kv-ttt-zeroed",  # a control after its stage's drafters
         "hidden-ttt@reference",
+        "hidden31-ttt@reference",  # EAGLE-3 before EAGLE 3.1 within a stage
         "hidden31-ttt",
         "hidden31-ttt-noloop-s2",
+        "hybrid-ttt",
         "hybrid31-ttt",
         "hybrid31-ttt-zeroed",
         "hybrid31-ttt-s3",

@@ -77,6 +77,9 @@ def test_regeneration_keeps_user_turns_and_answers_greedily(tiny_llama, cache):
         m["role"] == "assistant" for r in records for m in r["messages"]
     )
     assert shard["cut"] == shard["answers"]  # 6 new tokens: a random tiny model never stops that soon
+    # the folder holds exactly the returned slice's conversations, so its training tokens are the slice's
+    assert manifest["training_tokens"] == corpus.training_tokens(split, stops)
+    assert manifest["training_tokens"]["tokens"] == split.n_tokens > 0
 
 
 def test_regeneration_resumes_after_an_interruption(tiny_llama, cache, monkeypatch):
@@ -212,6 +215,12 @@ def test_looping_conversations_reads_each_answer_without_its_stop_token():
     assert torch.equal(cut.ids[4], split.ids[4])
     assert cut.counts["looping_answers_cut"] == 3 and cut.counts["looping_tokens_cut"] == 3 * 114
     assert not any(corpus.looping_conversations(cut, [stop]))
+    # by hand: 123 + 203 + 326 + 122 + 124 tokens, of which 2 per user turn are not answers; each of the three cut
+    # answers loses 114 tokens, and a and c their stop token's place in the loss mask
+    assert corpus.training_tokens(split, [stop]) == dict(
+        conversations=5, tokens=898, answer_tokens=886, tokens_loops_cut=898 - 3 * 114,
+        answer_tokens_loops_cut=886 - 3 * 114 - 2, answers_cut=3,
+    )  # fmt: skip
 
 
 def test_loop_cut_keeps_the_text_before_the_loop_and_one_repetition():

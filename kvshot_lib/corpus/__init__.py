@@ -28,6 +28,7 @@ from .regenerate import (
     looping_conversations,
     regenerate_sharegpt,
     regenerated_split,
+    training_tokens,
 )
 from .sharegpt import (
     TokenizedSplit,
@@ -76,5 +77,6 @@ __all__ = [
     "response_lengths",
     "split_indices",
     "tokenize_sharegpt",
+    "training_tokens",
     "tokenizer_fingerprint",
 ]

@@ -15,7 +15,8 @@ when the prompt would exceed ``max_len``. Batches of conversations are decoded t
 **The folder** (``<root>/<target>-<hash>/``, ``root`` by default ``<cache>/regenerated``; the on-policy run keeps
 it committed under ``data/regenerated/``): gzipped ``shard-NNNNN.json.gz`` files of ``[{"id", "messages"}]``
 (plain text, readable, tokenizer-independent) and ``manifest.json`` (the spec, and per shard the engine, tokens
-generated, answers cut at ``max_new_tokens``, answers that loop, seconds). The hash leaves out the slice's size,
+generated, answers cut at ``max_new_tokens``, answers that loop, seconds; once a run ends, ``training_tokens``:
+what all of the folder's conversations give to train on, :func:`training_tokens`). The hash leaves out the slice's size,
 so a larger slice of the same split goes on from a smaller one's shards. Shards are written atomically and the
 manifest after each one, so an interrupted run resumes where it stopped (``tests/test_regenerate.py``
 interrupts one). The returned
@@ -300,8 +301,26 @@ def regenerate_sharegpt(
             engine_fn.close()
         bar.close()
     manifest["complete"] = sum(sh["conversations"] for sh in manifest["shards"]) >= len(original)
+    whole = regenerated_split(target.tokenizer, out, None, spec)
+    manifest["training_tokens"] = training_tokens(whole, target.info.eos_token_ids)
     _write_manifest(out, manifest)
     return regenerated_split(target.tokenizer, out, original, spec)
+
+
+def training_tokens(split: TokenizedSplit, stops) -> dict:
+    """What ``split`` gives a drafter to train on: its conversations' tokens (prompts and answers, as the
+    feature store holds them and token-passes count them) and its answer tokens (the loss mask), as the target
+    answered and with each loop cut (:func:`cut_looping`); each cut once."""
+    cut = cut_looping(split, stops)
+
+    def answers(s: TokenizedSplit) -> int:
+        return int(sum(int(m.sum()) for m in s.loss_mask))
+
+    return dict(
+        conversations=len(split), tokens=split.n_tokens, answer_tokens=answers(split),
+        tokens_loops_cut=cut.n_tokens, answer_tokens_loops_cut=answers(cut),
+        answers_cut=cut.counts["looping_answers_cut"],
+    )  # fmt: skip
 
 
 def regeneration_spec(target, original: TokenizedSplit, max_new_tokens: int, max_turns: int) -> dict:
@@ -329,14 +348,15 @@ def cached_regeneration(
     return split if len(split) else None
 
 
-def regenerated_split(tokenizer, folder: Path, original: TokenizedSplit, spec: dict) -> TokenizedSplit:
-    """The cached regenerated conversations of ``folder`` in ``original``'s order, through the chat template."""
+def regenerated_split(tokenizer, folder: Path, original: TokenizedSplit | None, spec: dict) -> TokenizedSplit:
+    """The cached regenerated conversations of ``folder`` in ``original``'s order (None: all of them, in the
+    shards' order), through the chat template."""
     manifest = json.loads((Path(folder) / "manifest.json").read_text())
     records = {
         r["id"]: r["messages"] for s in manifest["shards"] for r in _read_shard(Path(folder) / s["file"])
     }
     ids, masks, sources, counts = [], [], [], {}
-    for cid in original.source_ids:
+    for cid in records if original is None else original.source_ids:
         if cid not in records:  # a partial regeneration: the conversations done so far, in order
             counts["not_regenerated"] = counts.get("not_regenerated", 0) + 1
             continue

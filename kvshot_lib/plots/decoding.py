@@ -80,12 +80,14 @@ def stage_of(name: str) -> int:
 
 def drafter_order(table: pd.DataFrame) -> list[str]:
     """The drafters of ``table``, grouped by paradigm (:data:`PARADIGM_ORDER`, unknown ones last) and ordered by
-    stage within a paradigm, a zeroed-KV control after the drafters of its stage; the table's order breaks ties."""
+    stage within a paradigm, a zeroed-KV control after the drafters of its stage, EAGLE-3 before EAGLE 3.1 (a
+    ``31`` row: ``hidden31-ttt``); the table's order breaks ties."""
     keys, rank = _paradigm_keys(table), {p: i for i, p in enumerate(PARADIGM_ORDER)}
 
     def key(i_name):
         i, name = i_name
-        return rank.get(keys[name], len(rank)), stage_of(name), "zeroed" in name, i
+        eagle31 = name.split("-")[0].endswith("31")
+        return rank.get(keys[name], len(rank)), stage_of(name), "zeroed" in name, eagle31, i
 
     return [name for _, name in sorted(enumerate(keys), key=key)]
 

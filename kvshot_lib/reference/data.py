@@ -26,6 +26,7 @@ from ..corpus import (
     extract_features,
     looping_conversations,
     tokenize_sharegpt,
+    training_tokens,
 )
 from ..target import assets
 from ..target.assets import REPO_ROOT
@@ -130,11 +131,11 @@ def corpus_tokens(plan: Plan, target) -> pd.DataFrame:
         train, _, what = data_splits(plan, target, "regenerated", spec)
         if not what.startswith("regenerated"):
             continue  # nothing of this slice is regenerated yet
-        keep, cut = without_looping(train, stops), cut_looping(train, stops)
+        keep, counts = without_looping(train, stops), training_tokens(train, stops)
         out.append(dict(
-            conversations=n, regenerated=len(train), tokens=train.n_tokens, tokens_loops_cut=cut.n_tokens,
+            conversations=n, regenerated=len(train), tokens=counts["tokens"], tokens_loops_cut=counts["tokens_loops_cut"],
             tokens_loops_dropped=train.subset(keep).n_tokens, looping_conversations=len(train) - len(keep),
-            looping_answers_cut=cut.counts["looping_answers_cut"],
+            looping_answers_cut=counts["answers_cut"],
             rows=" ".join(names),
         ))  # fmt: skip
     return pd.DataFrame(out)

@@ -327,16 +327,21 @@ def caption(plan, tables: dict) -> str:
     if "unique_tokens" in rows and rows["unique_tokens"].notna().any():
         regenerated = "responses" in rows and str(rows["responses"].iloc[0]).startswith("regenerated")
         answers = " answered by the target" if regenerated else ""
-        bits.append(f"ShareGPT V3{answers}, {int(rows['unique_tokens'].max()):,} unique training tokens")
+        bits.append(f"ShareGPT V3{answers}, {_span(rows['unique_tokens'])} unique training tokens")
     if "train_tokens" in rows and len(rows):
-        lo, hi = int(rows["train_tokens"].min()), int(rows["train_tokens"].max())
-        bits.append(f"{lo:,}{f'–{hi:,}' if hi != lo else ''} token-passes per drafter")
+        bits.append(f"{_span(rows['train_tokens'])} token-passes per drafter")
     if "precision" in rows and rows["precision"].notna().any():
         gpus = {str(g) for g in jobs.get("gpu", []) if isinstance(g, str) and g and g != "cpu"}
         cpus = {str(c) for c in rows.get("cpu", []) if isinstance(c, str) and c}
         where = sorted(gpus) or sorted(cpus) or ["CPU"]
         bits.append(f"{'/'.join(sorted(set(rows['precision'].dropna())))} on {', '.join(where)}")
     return " · ".join(bits)
+
+
+def _span(values: pd.Series) -> str:
+    """``lo–hi`` of a count column (one number where all agree)."""
+    lo, hi = int(values.min()), int(values.max())
+    return f"{lo:,}{f'–{hi:,}' if hi != lo else ''}"
 
 
 def _publish(plan, tables: dict, results: Path, figure_dir: Path) -> list[str]:
