@@ -56,6 +56,23 @@ def test_the_run_budget_leaves_out_a_checkpoint_that_does_not_fit(tiny_llama, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # nothing half-written is left behind
 
 
+def test_the_budget_counts_every_committed_run_but_not_smoke_runs(tiny_llama, tmp_path):
+    """Under ``checkpoints/`` the 60 MB rule is over all runs: another run's row counts, a smoke run's does not.
+    Tiny-llama's hidden drafter (~0.13 MB) and no-target drafter (~0.08 MB) are together over 0.2 MB."""
+    root, limit = tmp_path / "checkpoints", dict(max_total_mb=0.2)
+
+    def commit(paradigm, run, row):
+        return commit_checkpoint(trained_like(tiny_llama, paradigm), root / run / row, **limit)
+
+    assert commit("none", "run-smoke", "a")["checkpoint"]
+    assert commit("hidden", "new-run", "b")["checkpoint"]  # the smoke run's drafter does not count
+    other = commit("none", "old-run", "c")  # the other run's hidden does
+    assert other["checkpoint"] == "" and "committed checkpoints" in other["checkpoint_skipped"]
+    assert not (root / "old-run" / "c").exists()
+    assert commit("hidden", "new-run", "b")["checkpoint"]  # a row replacing itself is not counted twice
+    assert commit("hidden", "run-smoke", "d")["checkpoint"] == ""  # a smoke run counts its own rows
+
+
 @pytest.mark.slow  # ~8 s: make test-slow, which CI runs
 def test_kvshot_generate_takes_a_committed_checkpoint(tiny_llama, tmp_path):
     """What a fresh clone does: ``kvshot generate --drafter checkpoints/<run>/<row>``, no training, no runs/."""

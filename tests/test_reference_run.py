@@ -457,6 +457,7 @@ def test_the_regenerate_step_tables_each_slices_tokens_after_its_loops_are_cut_o
 ):
     """corpus_tokens.csv: one line per slice the rows read (a later stage's larger slice too), its tokens as
     regenerated, and after each loop is cut or each looping conversation dropped, worked out from the lengths."""
+    from kvshot_lib.corpus import regenerate
     from kvshot_lib.reference import data as reference_data
 
     plan = load_plan("onpolicy", smoke=True)
@@ -465,7 +466,7 @@ def test_the_regenerate_step_tables_each_slices_tokens_after_its_loops_are_cut_o
             8  # smoke's stage 3 reads a smaller slice than the rest
         )
 
-    monkeypatch.setattr(reference_data, "cut_looping", cut_three_of_every_other)
+    monkeypatch.setattr(regenerate, "cut_looping", cut_three_of_every_other)  # what training_tokens cuts
     monkeypatch.setattr(
         reference_data, "looping_conversations", lambda split, stops: [i % 3 == 0 for i in range(len(split))]
     )

@@ -4,8 +4,10 @@ Each is ``config.json`` plus the drafter's trainable weights in bf16 (``d2t`` an
 dtypes; the frozen embedding and LM head are the target's and never saved), so it loads on a CPU from a fresh
 clone, with no training, and refuses a target other than its own (:func:`~kvshot_lib.drafters.load_drafter`).
 A file holds at most ``max_file_mb`` (a drafter over it is split into numbered files); a row whose copy would
-take the run's checkpoints over ``max_total_mb`` is not copied, and its record says so. Rows are copied in the
-plan's order, so when the budget runs out it is the last rows that give way.
+take the committed checkpoints over ``max_total_mb`` is not copied, and its record says so: under a
+``checkpoints/`` folder the limit counts every run's rows (the repository's rule is 60 MB in all), except for a
+smoke run (``<run>-smoke``, git-ignored), which counts its own. Rows are copied in the plan's order, so when the
+budget runs out it is the last rows that give way.
 ``tests/test_reference_checkpoints.py`` checks the size, the dtypes, the loading, the refusal and lossless decoding.
 """
 
@@ -20,6 +22,17 @@ MB = 10**6
 HEADER_MARGIN = 64 * 1024  # a safetensors file's JSON header, beside its tensors
 
 
+def _beside(folder: Path) -> list[Path]:
+    """The checkpoints that count with ``folder``'s toward the limit (module docstring), itself left out."""
+    run = folder.parent
+    runs = [run]
+    if run.parent.name == "checkpoints" and not run.name.endswith("-smoke"):
+        runs = [r for r in run.parent.iterdir() if r.is_dir() and not r.name.endswith("-smoke")]
+    return [
+        p for r in runs for p in r.iterdir() if p.is_dir() and p != folder and not p.name.endswith(".tmp")
+    ]
+
+
 def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
@@ -28,7 +41,7 @@ def commit_checkpoint(drafter, folder: Path, max_file_mb: float = 16, max_total_
     """Write ``drafter`` as a committed checkpoint at ``folder`` (``checkpoints/<run>/<row>``) within the limits.
 
     Returns ``{"checkpoint", "checkpoint_mb", "checkpoint_files"}``, or ``{"checkpoint": "", "checkpoint_skipped":
-    why}`` when the run's checkpoints would exceed ``max_total_mb`` with it (the folder is then left as it was)."""
+    why}`` when the committed checkpoints would exceed ``max_total_mb`` with it (the folder is then left as it was)."""
     from ..drafters import save_drafter
 
     folder = Path(folder)
@@ -37,15 +50,14 @@ def commit_checkpoint(drafter, folder: Path, max_file_mb: float = 16, max_total_
     save_drafter(drafter, tmp, dtype=torch.bfloat16, max_file_bytes=int(max_file_mb * MB) - HEADER_MARGIN)
     size = folder_bytes(tmp)
     big = [f.name for f in tmp.iterdir() if f.stat().st_size > max_file_mb * MB]
-    others = sum(folder_bytes(p) for p in folder.parent.iterdir() if p.is_dir() and p.name != folder.name
-                 and not p.name.endswith(".tmp"))  # fmt: skip
+    others = sum(folder_bytes(p) for p in _beside(folder))
     why = ""
     if big:
         why = f"files {big} exceed {max_file_mb} MB (a single tensor larger than the limit)"
     elif others + size > max_total_mb * MB:
         why = (
-            f"{size / MB:.1f} MB more would take the run's checkpoints to {(others + size) / MB:.1f} MB, over "
-            f"{max_total_mb} MB"
+            f"{size / MB:.1f} MB more would take the committed checkpoints to {(others + size) / MB:.1f} MB, over "
+            f"{max_total_mb} MB; retire one (git history keeps it) or raise the plan's checkpoints.max_total_mb"
         )
     if why:
         shutil.rmtree(tmp)
