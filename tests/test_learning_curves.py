@@ -250,3 +250,17 @@ def test_two_drafters_of_one_paradigm_and_regime_are_told_apart_in_the_curves():
     assert tuple(color["kv-ttt"][:3]) == kv
     assert tuple(color["kv-ttt-zeroed"][:3]) == kv  # the zeroed control: faded, not recoloured
     assert tuple(color["kv-ttt-tinit"][:3]) == tuple(0.6 * c for c in kv)  # the second look-alike: darker
+
+
+def test_look_alikes_alternate_darker_and_lighter_and_never_turn_black():
+    from kvshot_lib.plots.style import shade_lookalikes
+
+    looks = shade_lookalikes({f"d{i}": dict(color=(0.5, 0.25, 1.0)) for i in range(5)})
+    got = [tuple(round(c, 6) for c in kw["color"]) for kw in looks.values()]
+    assert got == [
+        (0.5, 0.25, 1.0),
+        (0.3, 0.15, 0.6),  # 0.6 of the colour
+        (0.7, 0.55, 1.0),  # 0.6 of the way from white: 1 - 0.6 * (1 - c)
+        (0.18, 0.09, 0.36),  # 0.36 of the colour
+        (0.82, 0.73, 1.0),  # 0.36 of the way from white
+    ]

@@ -87,14 +87,17 @@ def drafter_color(name: str, paradigm: str | None = None):
 
 def shade_lookalikes(looks: dict[str, dict], factor: float = 0.6) -> dict[str, dict]:
     """``looks`` (``{drafter: plot keywords}``, in drawing order) with every drafter that would look like an
-    earlier one (the same colour, line and alpha: e.g. ``kv-ttt-tinit`` beside ``kv-ttt``) in a darker shade
-    of its colour, ``factor`` per earlier look-alike. Changes and returns ``looks``."""
+    earlier one (the same colour, line and alpha: e.g. ``kv-ttt-tinit`` beside ``kv-ttt``) in another shade of
+    its colour, darker and lighter in turn: the n-th look-alike is ``factor ** ceil(n / 2)`` of its colour for
+    odd n, and that far toward white for even n, so that a paradigm's seventh drafter is not black. Changes and
+    returns ``looks``."""
     seen: dict[tuple, int] = {}
     for kw in looks.values():
         key = (tuple(kw["color"]), kw.get("ls"), kw.get("alpha"))
         n = seen[key] = seen.get(key, -1) + 1
         if n:
-            kw["color"] = tuple(c * factor**n for c in kw["color"])
+            f = factor ** -(-n // 2)
+            kw["color"] = tuple(c * f if n % 2 else 1 - (1 - c) * f for c in kw["color"])
     return looks
 
 

@@ -12,6 +12,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.ticker import LogLocator, NullFormatter
 
+from .decoding import drafter_order
 from .style import PAGE, REGIME_STYLES, drafter_color, shade_lookalikes
 
 _GROUP_PALETTE = sns.color_palette("colorblind", 10)
@@ -50,10 +51,12 @@ def wilson_interval(p, n, z: float = 1.96):
 
 
 def _drafters(df: pd.DataFrame) -> list[tuple[str, str, str, str]]:
-    """(drafter, paradigm, regime, target_kv) in table order; tables written before controls existed are "real"."""
+    """(drafter, paradigm, regime, target_kv) grouped by paradigm and ordered by stage as in the MAT figure
+    (:func:`~.decoding.drafter_order`); tables written before controls existed are "real"."""
     df = df if "target_kv" in df else df.assign(target_kv="real")
     cols = ["drafter", "paradigm", "regime", "target_kv"]
-    return list(df[cols].drop_duplicates().itertuples(index=False, name=None))
+    rank = {name: i for i, name in enumerate(drafter_order(df))}
+    return sorted(df[cols].drop_duplicates().itertuples(index=False, name=None), key=lambda d: rank[d[0]])
 
 
 def _legend_outside(fig, handles, labels) -> None:
