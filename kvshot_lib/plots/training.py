@@ -124,16 +124,21 @@ def plot_heldout_cross(table: pd.DataFrame):
     trained on the other, with 95% Wilson bands and the token-passes each trained for in the legend."""
     sets = list(dict.fromkeys(table["heldout"]))
     fig, axes = plt.subplots(1, len(sets), figsize=(PAGE, 2.8), sharey=True, squeeze=False)
+    paradigm = dict(
+        table[["drafter", "paradigm"]].drop_duplicates("drafter").itertuples(index=False, name=None)
+    )
     looks = shade_lookalikes(
         {
-            name: dict(color=drafter_color(name, d["paradigm"].iloc[0]), ls="-" if "@" not in name else "--")
-            for name, d in table.groupby("drafter", sort=False)
+            name: dict(color=drafter_color(name, paradigm[name]), ls="-" if "@" not in name else "--")
+            for name in drafter_order(table)  # grouped by paradigm, ordered by stage
         }
     )
     for ax, held in zip(axes[0], sets):
         part = table[table["heldout"] == held]
-        for name, d in part.groupby("drafter", sort=False):
-            d = d.sort_values("draft_step")
+        for name in looks:
+            d = part[part["drafter"] == name].sort_values("draft_step")
+            if d.empty:
+                continue
             passes = d["token_passes"].iloc[0]
             label = f"{name} ({d['trained_on'].iloc[0]}, {passes / 1e6:.1f}M)" if pd.notna(passes) else name
             ax.plot(d["draft_step"], d["accuracy"], marker="o", ms=3, label=label, **looks[name])
