@@ -253,7 +253,7 @@ def test_two_drafters_of_one_paradigm_and_regime_are_told_apart_in_the_curves():
 
 
 def test_look_alikes_alternate_darker_and_lighter_and_never_turn_black():
-    from kvshot_lib.plots.style import shade_lookalikes
+    from kvshot_lib.plots import shade_lookalikes
 
     looks = shade_lookalikes({f"d{i}": dict(color=(0.5, 0.25, 1.0)) for i in range(5)})
     got = [tuple(round(c, 6) for c in kw["color"]) for kw in looks.values()]

@@ -23,6 +23,7 @@ from .style import (
     paper_style,
     paper_theme,
     save_figure,
+    shade_lookalikes,
 )
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "redraw",
     "registry",
     "save_figure",
+    "shade_lookalikes",
     "specpv",
     "training",
 ]
