@@ -17,7 +17,7 @@ from .style import MODE_STYLES, PAGE, drafter_color, finish_figure, paradigm_of
 _MARKERS = "osD^vP*Xhp<>"
 
 
-def _paradigm_keys(table: pd.DataFrame) -> dict[str, str]:
+def paradigm_keys(table: pd.DataFrame) -> dict[str, str]:
     """Per drafter, in the table's order: its paradigm's key (its recorded paradigm, or a baseline's name)."""
     recorded = {}
     if "paradigm" in table:
@@ -29,7 +29,7 @@ def _paradigm_keys(table: pd.DataFrame) -> dict[str, str]:
 
 def _looks(table: pd.DataFrame) -> dict:
     """Per drafter: its paradigm's colour, and a marker that tells apart drafters of one paradigm."""
-    keys = _paradigm_keys(table)
+    keys = paradigm_keys(table)
     return {
         name: dict(color=drafter_color(name, key), marker=_MARKERS[i % len(_MARKERS)])
         for i, (name, key) in enumerate(keys.items())
@@ -82,7 +82,7 @@ def drafter_order(table: pd.DataFrame) -> list[str]:
     """The drafters of ``table``, grouped by paradigm (:data:`PARADIGM_ORDER`, unknown ones last) and ordered by
     stage within a paradigm, a zeroed-KV control after the drafters of its stage, EAGLE-3 before EAGLE 3.1 (a
     ``31`` row: ``hidden31-ttt``); the table's order breaks ties."""
-    keys, rank = _paradigm_keys(table), {p: i for i, p in enumerate(PARADIGM_ORDER)}
+    keys, rank = paradigm_keys(table), {p: i for i, p in enumerate(PARADIGM_ORDER)}
 
     def key(i_name):
         i, name = i_name
@@ -100,7 +100,7 @@ def plot_mat_by_drafter(
     """One panel per mode x temperature, a horizontal bar per drafter in its paradigm's colour, drafters grouped
     by paradigm and ordered by stage (:func:`drafter_order`), each with its 95% bootstrap interval where
     ``bootstrap`` (``acceptance_bootstrap.csv``) has one."""
-    keys, drafters = _paradigm_keys(summary), drafter_order(summary)
+    keys, drafters = paradigm_keys(summary), drafter_order(summary)
     y, gap = [], 0.0  # a gap between paradigms
     for i, name in enumerate(drafters):
         gap += 0.6 if i and keys[name] != keys[drafters[i - 1]] else 0.0

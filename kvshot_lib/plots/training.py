@@ -12,7 +12,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.ticker import LogLocator, NullFormatter
 
-from .decoding import _paradigm_keys, drafter_order
+from .decoding import drafter_order, paradigm_keys
 from .style import PAGE, REGIME_STYLES, drafter_color, shade_lookalikes
 
 _GROUP_PALETTE = sns.color_palette("colorblind", 10)
@@ -124,7 +124,7 @@ def plot_heldout_cross(table: pd.DataFrame):
     trained on the other, with 95% Wilson bands and the token-passes each trained for in the legend."""
     sets = list(dict.fromkeys(table["heldout"]))
     fig, axes = plt.subplots(1, len(sets), figsize=(PAGE, 2.8), sharey=True, squeeze=False)
-    paradigm = _paradigm_keys(table)
+    paradigm = paradigm_keys(table)
     looks = shade_lookalikes(
         {
             name: dict(color=drafter_color(name, paradigm[name]), ls="-" if "@" not in name else "--")
