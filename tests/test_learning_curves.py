@@ -264,3 +264,23 @@ def test_look_alikes_alternate_darker_and_lighter_and_never_turn_black():
         (0.18, 0.09, 0.36),  # 0.36 of the colour
         (0.82, 0.73, 1.0),  # 0.36 of the way from white
     ]
+
+
+def test_the_convergence_rule_ends_the_stable_phase_at_an_annealed_branch(tiny_llama, stores, tmp_path):
+    """With a threshold no gain can pass, the rule fires at the first branch that has a point a doubling back;
+    the run then ends after that budget's WSD decay. A run continued from it starts its curve at
+    ``tokens_before`` with the starting drafter's own evaluation."""
+    from kvshot_lib.training.convergence import converged_budget
+
+    c = cfg(train_steps=80, curve_points=3, converge_z=1e9)  # budgets 20, 40, 80
+    run = train_drafter(tiny_llama, *stores, c, tmp_path / "a", progress=False)
+    budget = converged_budget(run.logs["curve"], 1e9)
+    assert budget == 40  # 20 has nothing a doubling back
+    assert len(run.logs["history"]) == 40 + 4  # its decay: 10% of 40 steps, not the cap of 80
+    assert run.drafter.cfg.extra["stop_reason"].startswith("converged")
+    more = cfg(train_steps=40, curve_points=2, init_from=str(tmp_path / "a"), tokens_before=123_456)
+    cont = train_drafter(tiny_llama, *stores, more, tmp_path / "b", progress=False)
+    first = cont.logs["curve"][0]
+    assert (first["budget_step"], first["tokens"]) == (0, 123_456)
+    assert first["acc_0"] == run.logs["eval"][-1]["acc_0"]  # the starting drafter is the finished run's
+    assert [p["tokens"] > 123_456 for p in cont.logs["curve"][1:]] == [True, True]

@@ -206,7 +206,7 @@ def test_a_smoke_run_trains_every_row_and_writes_table_5(tmp_path):
         assert table.loc[name, "unique_tokens"] == store.n_tokens
         stopped = table.loc[name, "stop_reason"]  # the plateau rule (and then the row plateaued), or the cap
         if stopped.startswith("plateau"):
-            assert table.loc[name, "plateaued"]
+            assert table.loc[name, "stable_phase_flat"]
         else:
             assert (
                 stopped == "the token-pass cap" and table.loc[name, "steps"] == rows.loc[name, "train_steps"]

@@ -34,7 +34,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..target.assets import REPO_ROOT
-from ..training import heldout_acceptance
+from ..training import convergence_table, heldout_acceptance
 
 ROWS = ["drafter"]
 ACCEPTANCE = ["drafter", "mode", "temperature"]
@@ -177,6 +177,8 @@ def derived_tables(tables: dict, comparisons=(), baseline_pairs=()) -> dict[str,
         ngram = [("drafter - n-gram", d, "ngram") for d in gens["drafter"].unique() if d != "ngram"]
         other = [(f"{a} - {b}", a, b) for a, b in baseline_pairs]
         out["mat_differences.csv"] = paired_mat_difference(gens, ngram + pairs + other)
+    if not points.empty:
+        out["convergence.csv"] = convergence_table(points)
     out["reference_table.csv"] = reference_table(tables)
     return out
 
@@ -189,12 +191,24 @@ def _interval(boot: pd.DataFrame, drafter: str, mode: str, temperature: float) -
 def reference_table(tables: dict) -> pd.DataFrame:
     """The paper's Table 5 layout, one line per trained row: MT-bench alpha_0..alpha_6, MAT and retention (chain,
     T=0, with 95% bootstrap intervals, where the evaluation ran), the same from the held-out per-step accuracy, the
-    tree and T=1 MATs, what the row saw (unique tokens, token-passes, epochs, precision), how it ended, and the
-    paper's Qwen3-8B line it stands for (``paper_*``)."""
+    tree and T=1 MATs, what the row saw (unique tokens, token-passes, epochs, precision), how it ended (``stable_phase_*``: the
+    old rule's reading of acc_0 at a high learning rate; ``convergence``: whether its annealed curve had converged,
+    :func:`~kvshot_lib.training.annealed_plateau`), and the paper's Qwen3-8B line it stands for (``paper_*``)."""
     rows = tables["reference_rows.csv"]
     if rows.empty:
         return pd.DataFrame()
     boot, per_step = tables["acceptance_bootstrap.csv"], tables["per_step_accuracy.csv"]
+    points = tables.get("curve_points.csv", pd.DataFrame())
+    judged = {
+        j["drafter"]: dict(
+            convergence=j["verdict"],
+            converge_acc_gain=j["acc_gain"],
+            converge_ce_gain=j["ce_gain"],
+            converge_from_tokens=j["from_tokens"],
+            converge_to_tokens=j["to_tokens"],
+        )  # fmt: skip
+        for j in (convergence_table(points).to_dict("records") if not points.empty else [])
+    }
     out = []
     for _, r in rows.iterrows():
         mine = per_step[per_step["drafter"] == r["drafter"]] if not per_step.empty else per_step
@@ -216,10 +230,12 @@ def reference_table(tables: dict) -> pd.DataFrame:
         rec.update(
             unique_tokens=r.get("unique_tokens"), token_passes=r.get("train_tokens"), epochs=r.get("epochs"),
             steps=r.get("steps_trained"), precision=r.get("precision"), device=r.get("device"),
-            seconds=r.get("seconds"), plateaued=r.get("plateaued"), plateau_delta=r.get("plateau_delta"),
+            seconds=r.get("seconds"), stable_phase_flat=r.get("plateaued"),
+            stable_phase_delta=r.get("plateau_delta"),
             stop_reason=stop if isinstance(stop, str) and stop else "the token-pass cap",
             checkpoint=r.get("checkpoint"),
         )  # fmt: skip
+        rec.update(judged.get(r["drafter"], dict(convergence="undetermined")))
         paper = PAPER_TABLE5.get(r.get("paper_row") or "")
         for j, name in enumerate([f"alpha_{k}" for k in STEPS] + ["mat", "retention"]):
             rec[f"paper_{name}"] = paper[j] if paper else None

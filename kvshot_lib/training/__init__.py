@@ -18,7 +18,16 @@ evaluation and the plots.
 
 from .batches import BatchOrder, StoreBatches, batch_from_target, collate, target_sequence
 from .config import DATA_SOURCES, TrainConfig, TrainConfigError, parse_drafter_specs
-from .convergence import EarlyStopping, heldout_acceptance, plateau, plateau_step, run_summary, stable_plateau
+from .convergence import (
+    EarlyStopping,
+    annealed_plateau,
+    convergence_table,
+    heldout_acceptance,
+    plateau,
+    plateau_step,
+    run_summary,
+    stable_plateau,
+)
 from .data import init_from_checkpoint
 from .grad_probes import (
     GROUPS,
@@ -32,7 +41,9 @@ from .grad_probes import (
     spearman,
 )
 from .heldout import (
+    BranchOutcome,
     EvalSet,
+    branch_outcomes,
     budget_note,
     combined_table,
     evaluate_per_step,
@@ -67,7 +78,11 @@ __all__ = [
     "BatchOrder",
     "DATA_SOURCES",
     "EarlyStopping",
+    "annealed_plateau",
+    "convergence_table",
     "EvalSet",
+    "BranchOutcome",
+    "branch_outcomes",
     "GROUPS",
     "GradProbe",
     "KV_CONDITIONS",

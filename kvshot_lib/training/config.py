@@ -29,7 +29,7 @@ DATA_SOURCES = ("store", "online")
 STOP_METRICS = ("mat", "acc_0")
 # Parameters added after runs were saved with the rest: as_dict() leaves each out at its default, so that those
 # runs' saved configs still match (a finished row is read back, a killed one resumes) and their hashes hold.
-ADDED_LATER = {"plateau_min_steps": 0}
+ADDED_LATER = {"plateau_min_steps": 0, "converge_z": 0.0, "tokens_before": 0}
 
 
 class TrainConfigError(ValueError):
@@ -78,6 +78,12 @@ class TrainConfig:
     plateau_stop: float = 0.0
     # ...and not before this step (0: from the fourth evaluation); a run on a large corpus sees it once first
     plateau_min_steps: int = 0
+    # wsd: end the stable phase at the first decay branch whose annealed held-out acc_0 and cross-entropy gained
+    # less than this many standard errors over a doubling of token-passes (convergence.py; 0 = off)
+    converge_z: float = 0.0
+    # token-passes the starting weights (init_from) had already trained on: the curve counts from there, and its
+    # first point is the starting drafter itself (annealed when it was a finished run)
+    tokens_before: int = 0
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 0.5  # global-norm clipping (0 = off)
@@ -229,6 +235,15 @@ class TrainConfig:
             )
         if self.plateau_min_steps < 0 or (self.plateau_min_steps and not self.plateau_stop):
             bad(f"plateau_min_steps={self.plateau_min_steps}: a step >= 0, and only with plateau_stop > 0.")
+        if self.converge_z < 0 or (self.converge_z and (self.schedule != "wsd" or self.curve_points < 2)):
+            bad(
+                f"converge_z={self.converge_z}: the convergence rule compares annealed decay branches a doubling "
+                "apart, so it needs schedule='wsd' and curve_points >= 2."
+            )
+        if self.tokens_before < 0 or (self.tokens_before and not self.init_from):
+            bad(
+                f"tokens_before={self.tokens_before}: a count >= 0, and only with init_from (a continued run)."
+            )
         if self.curve_points and not self.eval_sequences:
             bad("curve_points needs held-out evaluations (eval_sequences >= 1).")
         for name in ("grad_scale", "lr_scale"):

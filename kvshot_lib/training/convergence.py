@@ -9,15 +9,23 @@
   this step is the last (the run's end, early stopping, the ``max_seconds`` cap) and why the run stopped.
 * :func:`plateau` says whether the last ``fraction`` of training moved held-out ``acc_0`` by under ``tol``
   (the reference run's convergence criterion: the last 20% moves it by under 1 point).
+* :func:`annealed_plateau` is what "converged" means here: over the last doubling of token-passes, the
+  *annealed* held-out curve (the decay branches' points, ``schedule.py``) gained less than ``z`` standard errors
+  in acc_0 *and* in cross-entropy. :func:`plateau` reads acc_0 in the stable phase, where the learning rate is
+  high and a flat stretch is noise around a still-falling loss; it is kept as the record of the old rule, and
+  ``converge_z`` makes the new one end a run (:class:`Stopping`). :func:`convergence_table` judges saved curves.
 * :func:`run_summary` is the per-row report: tokens seen, wall time, final accuracies, plateau, stopping.
 
-``tests/test_reference.py`` checks these on hand-made evaluation logs.
+``tests/test_reference.py`` checks these on hand-made evaluation logs, ``tests/test_convergence.py`` the
+annealed rule on hand-made curves (one still falling in cross-entropy, one flat, one noisy).
 """
 
 from __future__ import annotations
 
+import math
 import time
 
+import pandas as pd
 import torch
 
 from ..drafters.trainable import TrainableDrafter
@@ -96,7 +104,7 @@ class Stopping:
     def __init__(self, cfg):
         self.cfg, self.early = cfg, EarlyStopping(cfg.early_stop_patience, cfg.early_stop_metric)
         self.decay_from: int | None = None
-        self.early_stopped = self.out_of_time = False
+        self.early_stopped = self.out_of_time = self.converged = False
 
     @property
     def end(self) -> int:
@@ -106,6 +114,12 @@ class Stopping:
         """End the stable phase at the first evaluation where the plateau rule holds."""
         if self.cfg.plateau_stop and self.decay_from is None:
             self.decay_from = plateau_step(evals, self.cfg.plateau_stop, min_step=self.cfg.plateau_min_steps)
+
+    def follow_curve(self, curve: list[dict]) -> None:
+        """End the stable phase at the first decay branch whose annealed point has converged (``converge_z``)."""
+        if self.cfg.converge_z and self.decay_from is None:
+            self.decay_from = converged_budget(curve, self.cfg.converge_z)
+            self.converged = self.decay_from is not None
 
     def is_last(self, step: int, t_start: float, acc) -> bool:
         """Whether step ``step`` (0-based) ends the run: its end, or the time cap (the same on every process)."""
@@ -132,6 +146,11 @@ class Stopping:
             reason = f"no better held-out {c.early_stop_metric} in {c.early_stop_patience} evaluations"
         elif self.out_of_time:
             reason = f"max_seconds={c.max_seconds} reached"
+        elif self.converged:
+            reason = (
+                f"converged: the annealed held-out acc_0 and cross-entropy gained < {c.converge_z} standard errors "
+                f"over a doubling of token-passes, at the branch of step {self.decay_from}"
+            )
         elif self.decay_from is not None:
             reason = f"plateau: held-out acc_0 moved < {c.plateau_stop} over the last quarter by step {self.decay_from}"
         record = dict(stopped_early=bool(reason), stop_reason=reason, best_step=early.best_step or None)
@@ -210,6 +229,7 @@ def run_summary(result) -> dict:
     )
     row.update({k: final[k] for k in sorted(final) if k.startswith("acc_") or k == "ceiling"})
     row.update(stable_plateau(cfg, evals) if cfg.plateau_stop else plateau(evals))
+    row.update({f"annealed_{k}": v for k, v in annealed_plateau(logs.get("curve", [])).items()})
     return row
 
 
@@ -221,3 +241,87 @@ def stable_plateau(cfg, evals: list[dict]) -> dict:
     end = decay_start(cfg, decay_from)
     stable = [r for r in evals if r.get("step") is not None and r["step"] <= end]
     return dict(plateau(stable, 0.25, cfg.plateau_stop), decay_from=decay_from)
+
+
+# ------------------------------------------------------------------------- the annealed rule: converged
+
+# Per-token cross-entropy spread, as a multiple of its mean, where an evaluation did not record ``ce_sd_0``
+# (every run before the rule): measured on the on-policy held-out set (``data/mtbench_gap`` folder's
+# ``ce_spread.json``, written by ``kvshot_lib.diagnostics.mtbench_gap``).
+CE_SD_PER_MEAN = 1.0
+HALF = (
+    0.55  # the reference point of a doubling: the latest point at or below 55% of the last one's token-passes
+)
+
+
+def _se_acc(p: dict) -> float:
+    a, n = float(p["acc_0"]), max(float(p["n_0"]), 1.0)
+    return math.sqrt(max(a * (1 - a), 1e-12) / n)
+
+
+def _se_ce(p: dict) -> float:
+    sd = p.get("ce_sd_0")
+    sd = float(sd) if sd is not None and sd == sd else CE_SD_PER_MEAN * float(p["ce_0"])
+    return sd / math.sqrt(max(float(p["n_0"]), 1.0))
+
+
+def annealed_plateau(points: list[dict], z: float = 2.0) -> dict:
+    """Whether an annealed held-out curve stopped improving: the last point against the latest one at or below
+    half its token-passes (``HALF``). ``converged`` when acc_0 gained less than ``z`` standard errors of the
+    difference *and* cross-entropy fell by less than ``z`` of its own (binomial for acc_0; ``ce_sd_0 / sqrt(n_0)``
+    for cross-entropy; the two evaluations taken as independent). A point without ``ce_0`` is judged on acc_0
+    alone (``ce_judged`` False). ``verdict``: ``converged``, ``compute-limited``, or ``undetermined`` where no
+    point lies a doubling back."""
+    pts = [p for p in points if p.get("tokens") is not None and p.get("acc_0") == p.get("acc_0")]
+    pts = sorted(pts, key=lambda p: float(p["tokens"]))
+    out = dict(verdict="undetermined", converged=None, from_tokens=None, to_tokens=None)
+    out.update(acc_gain=None, acc_noise=None, ce_gain=None, ce_noise=None, ce_judged=None)
+    if not pts:
+        return out
+    last = pts[-1]
+    back = [p for p in pts[:-1] if float(p["tokens"]) <= HALF * float(last["tokens"])]
+    out["to_tokens"] = int(last["tokens"])
+    if not back:
+        return out
+    ref = back[-1]
+    acc_gain = float(last["acc_0"]) - float(ref["acc_0"])
+    acc_noise = z * math.hypot(_se_acc(last), _se_acc(ref))
+    has_ce = all(p.get("ce_0") is not None and p.get("ce_0") == p.get("ce_0") for p in (last, ref))
+    ce_gain = float(ref["ce_0"]) - float(last["ce_0"]) if has_ce else None
+    ce_noise = z * math.hypot(_se_ce(last), _se_ce(ref)) if has_ce else None
+    done = acc_gain < acc_noise and (not has_ce or ce_gain < ce_noise)
+    out.update(
+        verdict="converged" if done else "compute-limited",
+        converged=done,
+        from_tokens=int(ref["tokens"]),
+        acc_gain=acc_gain,
+        acc_noise=acc_noise,
+        ce_gain=ce_gain,
+        ce_noise=ce_noise,
+        ce_judged=has_ce,
+    )
+    return out
+
+
+def converged_budget(curve: list[dict], z: float) -> int | None:
+    """The budget step of the first decay branch at which :func:`annealed_plateau` holds over the points so far
+    (a run's starting point, ``budget_step`` 0, counts as a point but cannot end it); None if none has."""
+    pts = sorted(curve, key=lambda p: float(p["tokens"]))
+    for i, p in enumerate(pts):
+        if int(p.get("budget_step") or 0) > 0 and annealed_plateau(pts[: i + 1], z)["converged"]:
+            return int(p["budget_step"])
+    return None
+
+
+def convergence_table(curve: pd.DataFrame, z: float = 2.0) -> pd.DataFrame:
+    """One row per drafter of a saved annealed curve: :func:`annealed_plateau` over its points. ``curve`` is a
+    ``curve_points.csv`` (one row per point: ``acc_0``, ``ce_0``, ``n_0``, ``tokens``) or a
+    ``learning_curves.csv`` (long: ``metric``, ``value``, ``n``; acc_0 only, so cross-entropy is not judged)."""
+    if "metric" in curve.columns:
+        acc = curve[curve["metric"] == "acc_0"]
+        curve = acc.assign(acc_0=acc["value"], n_0=acc["n"])
+    rows = []
+    for drafter, g in curve.groupby("drafter", sort=False):
+        pts = [{k: (None if v != v else v) for k, v in r.items()} for r in g.to_dict("records")]
+        rows.append(dict(drafter=drafter, points=len(pts), **annealed_plateau(pts, z)))
+    return pd.DataFrame(rows)

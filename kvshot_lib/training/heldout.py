@@ -74,41 +74,79 @@ def greedy_targets(store, target: Target, n: int) -> list[torch.Tensor]:
     return [out[str(i)] for i in range(n)]
 
 
+@dataclass
+class BranchOutcome:
+    """Draft step ``k`` of every counted branch of one held-out batch: what the drafter guessed and what the target
+    wanted, one entry per branch (``M`` of them) whose predicted token is an assistant token."""
+
+    batch_index: int
+    k: int
+    sequence: torch.Tensor  # [M] the branch's sequence within its batch
+    token: torch.Tensor  # [M] the index of the predicted token in its sequence (branch i, step k: i + 2 + k)
+    guess: torch.Tensor  # [M] the drafter's argmax, as a target id
+    want: torch.Tensor  # [M] the target's full-vocabulary argmax
+    cross_entropy: torch.Tensor  # [M] against the target's distribution over the draft vocabulary
+
+
+@torch.no_grad()
+def branch_outcomes(drafter: TrainableDrafter, evals: EvalSet, n_steps: int, branch_fraction: float = 1.0):
+    """Yield a :class:`BranchOutcome` per batch and draft step: each branch unrolled ``n_steps`` on the
+    ground-truth tokens, as in training. What :func:`evaluate_per_step` sums, and what the diagnostics break
+    down by answer position or the target's confidence."""
+    dev = drafter.head.device
+    for b_i, (batch, top) in enumerate(zip(evals.batches, evals.target_argmax)):
+        batch, top = batch.to(dev), top.to(dev)
+        B, N = batch.ids.shape[0], batch.ids.shape[1] - 1
+        picked = _on(sample_branches(N, branch_fraction, seed=b_i), dev)
+        un = drafter(batch, n_steps, branches=picked)
+        probs = target_probs(batch.final_hidden, drafter.head)  # [B, T, V_draft]
+        seq = torch.arange(B, device=dev)[:, None].expand(B, N)  # [B, N]
+        branch = torch.arange(N, device=dev)[None].expand(B, N)  # [B, N]
+        for k, (h, rows) in enumerate(zip(un.outs, un.rows)):
+            mask = at_rows(step_mask(batch, k), rows)  # [B, n]
+            logits = drafter.logits(h[mask])  # [M, V_draft]
+            soft = at_rows(shifted(probs, 1 + k, N), rows)[mask]  # [M, V_draft]
+            yield BranchOutcome(
+                b_i,
+                k,
+                at_rows(seq, rows)[mask],
+                at_rows(branch, rows)[mask] + 2 + k,
+                drafter.d2t[logits.argmax(-1)],
+                at_rows(shifted(top, 1 + k, N), rows)[mask],
+                -(soft * torch.log_softmax(logits.float(), -1)).sum(-1),
+            )
+
+
 @torch.no_grad()
 def evaluate_per_step(
     drafter: TrainableDrafter, evals: EvalSet, n_steps: int, accelerator=None, branch_fraction: float = 1.0
 ) -> dict:
-    """``acc_k`` (vs the target's full-vocabulary argmax), ``ce_k`` and ``n_k`` for k < n_steps, and ``ceiling``.
+    """``acc_k`` (vs the target's full-vocabulary argmax), ``ce_k`` with its per-token spread ``ce_sd_k``, and
+    ``n_k`` for k < n_steps, and ``ceiling``.
 
     ``branch_fraction < 1`` evaluates steps >= 1 on a fixed random subset of branches (step 0 on all).
     """
     dev = drafter.head.device
     hit = torch.zeros(n_steps, dtype=torch.float64)
     ce = torch.zeros(n_steps, dtype=torch.float64)
+    ce_sq = torch.zeros(n_steps, dtype=torch.float64)  # for the per-token spread, ce_sd_k
     cnt = torch.zeros(n_steps, dtype=torch.float64)
     inside = torch.zeros(2, dtype=torch.float64)
     in_vocab = torch.zeros(drafter.cfg.target_vocab_size, dtype=torch.bool, device=dev)
     in_vocab[drafter.d2t] = True
-    for b_i, (batch, top) in enumerate(zip(evals.batches, evals.target_argmax)):
-        batch, top = batch.to(dev), top.to(dev)
-        N = batch.ids.shape[1] - 1
-        un = drafter(batch, n_steps, branches=_on(sample_branches(N, branch_fraction, seed=b_i), dev))
-        probs = target_probs(batch.final_hidden, drafter.head)  # [B, T, V_draft]
-        for k, (h, rows) in enumerate(zip(un.outs, un.rows)):
-            mask = at_rows(step_mask(batch, k), rows)  # [B, n]
-            logits = drafter.logits(h[mask])  # [M, V_draft]
-            guess = drafter.d2t[logits.argmax(-1)]  # [M] target ids
-            want = at_rows(shifted(top, 1 + k, N), rows)[mask]  # [M]
-            hit[k] += float((guess == want).sum())
-            ce[k] += float(
-                -(at_rows(shifted(probs, 1 + k, N), rows)[mask] * torch.log_softmax(logits.float(), -1)).sum()
-            )
-            cnt[k] += float(mask.sum())
-            if k == 0:
-                inside += torch.tensor([float(in_vocab[want].sum()), float(mask.sum())], dtype=torch.float64)
+    for o in branch_outcomes(drafter, evals, n_steps, branch_fraction):
+        k, m = o.k, float(o.want.numel())
+        hit[k] += float((o.guess == o.want).sum())
+        ce[k] += float(o.cross_entropy.sum())
+        ce_sq[k] += float(o.cross_entropy.double().square().sum())
+        cnt[k] += m
+        if k == 0:
+            inside += torch.tensor([float(in_vocab[o.want].sum()), m], dtype=torch.float64)
     if accelerator is not None and accelerator.num_processes > 1:
-        stacked = accelerator.reduce(torch.cat([hit, ce, cnt, inside]).to(accelerator.device), "sum").cpu()
-        hit, ce, cnt, inside = stacked.split([n_steps, n_steps, n_steps, 2])
+        stacked = accelerator.reduce(
+            torch.cat([hit, ce, ce_sq, cnt, inside]).to(accelerator.device), "sum"
+        ).cpu()
+        hit, ce, ce_sq, cnt, inside = stacked.split([n_steps, n_steps, n_steps, n_steps, 2])
     drafted = getattr(drafter, "max_steps", n_steps)  # a block drafter drafts at most its block: NaN past it
     out = {
         f"acc_{k}": float(hit[k] / max(cnt[k], 1)) if k < drafted else float("nan") for k in range(n_steps)
@@ -116,6 +154,9 @@ def evaluate_per_step(
     out.update(
         {f"ce_{k}": float(ce[k] / max(cnt[k], 1)) if k < drafted else float("nan") for k in range(n_steps)}
     )
+    mean, n = ce / cnt.clamp(min=1), cnt.clamp(min=1)
+    sd = (ce_sq / n - mean.square()).clamp(min=0).sqrt()  # [n_steps] per-token spread of the cross-entropy
+    out.update({f"ce_sd_{k}": float(sd[k]) if k < drafted else float("nan") for k in range(n_steps)})
     out.update({f"n_{k}": int(cnt[k]) for k in range(n_steps)})
     out["ceiling"] = float(inside[0] / max(inside[1], 1))
     return out

@@ -174,6 +174,7 @@ def train_drafter(
     evals = eval_set or data.eval_set(drafter.cfg)
     budgets = curve_steps(cfg.train_steps, cfg.curve_points)
     stopping.follow_plateau(logs["eval"])  # a resumed run's decision so far
+    stopping.follow_curve(logs["curve"])
 
     def evaluate(step: int) -> dict:
         drafter.eval()
@@ -188,6 +189,8 @@ def train_drafter(
         disable=not (progress and acc.is_main_process),
     )
     t_start = time.perf_counter() - seconds
+    if cfg.tokens_before and budgets and not logs["curve"]:  # the continued run's starting point
+        logs["curve"].append(dict(evaluate(0), budget_step=0, branch_steps=0, tokens=cfg.tokens_before))
     for step in range(start, cfg.train_steps):
         batch = loader.batch(step).to(acc.device)
         end, decay_from = stopping.end, stopping.decay_from
@@ -197,8 +200,9 @@ def train_drafter(
         stable = decay_from is None or step + 1 <= decay_from
         branched = step + 1 in budgets and step + 1 < end and stable  # a learning-curve point (schedule.py)
         if branched:
-            seen = sum(r["tokens"] for r in logs["history"])
+            seen = cfg.tokens_before + sum(r["tokens"] for r in logs["history"])
             logs["curve"].append(_decay_branch(ctx, loader, step, evaluate, seen))
+            stopping.follow_curve(logs["curve"])
         bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc0:.2f}")
         bar.update()
         last = stopping.is_last(step, t_start, acc)
@@ -206,7 +210,7 @@ def train_drafter(
             ev = evaluate(step + 1)
             logs["eval"].append(ev)
             if budgets and step + 1 == end:  # the curve's last point is the run's own end
-                tokens = sum(r["tokens"] for r in logs["history"])
+                tokens = cfg.tokens_before + sum(r["tokens"] for r in logs["history"])
                 branch = end - decay_start(cfg, decay_from)
                 logs["curve"].append(dict(ev, budget_step=step + 1, branch_steps=branch, tokens=tokens))
             last = stopping.evaluated(logs["eval"], drafter, last)
