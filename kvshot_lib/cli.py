@@ -1,10 +1,12 @@
 """The ``kvshot`` command. Each subcommand's arguments and implementation live in the module that owns it;
 this file only wires them up.
 
-An error the user can cause (a wrong target, a bad setting or count, an unknown method, a missing asset) ends
-the command with one line, ``kvshot: <what was wrong and what to pass>``, and exit status 1, never a
-traceback: the subcommands check their arguments before loading any model and raise ``SystemExit`` with such
-a line, and :func:`main` turns the library's own user-error exceptions (:data:`USER_ERRORS`) into one too.
+An error the user can cause (a wrong target, a bad setting or count, an unknown method, a missing asset, a
+damaged checkpoint, an ``--out`` that would destroy something) ends the command with one line on stderr,
+``kvshot: <what was wrong and what to pass>``, and a documented exit status (:mod:`kvshot_lib.user_errors`:
+1 a failure, 2 a usage error, 3 this machine is short), never a traceback: the subcommands check their arguments
+before loading any model and raise :class:`~kvshot_lib.user_errors.UsageError`, and :func:`main` turns it and
+the library's other named errors (:data:`EXIT_CODES`) into that line. A traceback is for bugs only.
 ``tests/test_cli_errors.py`` runs each case through the command line.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from . import doctor, runner
 from .corpus import FeatureStoreMismatch
@@ -23,18 +26,33 @@ from .plots import FigureDataError, figures
 from .target import MissingAssetError, PrecisionError, TargetLoadError
 from .training import TrainConfigError
 from .training import cli as train_cli
+from .user_errors import EXIT_CODES_HELP, EXIT_FAILURE, EXIT_USAGE, UserError
 
-USER_ERRORS = (
-    TargetLoadError,
-    MissingAssetError,
-    DrafterConfigError,
-    DrafterTargetMismatch,
-    TrainConfigError,
-    FeatureStoreMismatch,
-    FigureDataError,
-    PrecisionError,
-    runner.ProfileError,
-)
+# the library's named errors and the exit status each ends ``kvshot`` with (UserError carries its own)
+EXIT_CODES = {
+    TargetLoadError: EXIT_USAGE,
+    DrafterConfigError: EXIT_USAGE,
+    DrafterTargetMismatch: EXIT_USAGE,
+    TrainConfigError: EXIT_USAGE,
+    PrecisionError: EXIT_USAGE,
+    runner.ProfileError: EXIT_USAGE,
+    MissingAssetError: EXIT_FAILURE,
+    FeatureStoreMismatch: EXIT_FAILURE,
+    FigureDataError: EXIT_FAILURE,
+}
+USER_ERRORS = (UserError, *EXIT_CODES)
+
+
+class Refused(SystemExit):
+    """How ``kvshot`` ends on a user error: its exit status as ``code``, its one line (already on stderr) as
+    ``str()``."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def one_line(message: str) -> str:
@@ -42,9 +60,24 @@ def one_line(message: str) -> str:
     return " ".join(str(message).split())
 
 
+def exit_code(error: BaseException) -> int:
+    """The exit status ``kvshot`` ends with on ``error``, one of :data:`USER_ERRORS`."""
+    if isinstance(error, UserError):
+        return error.exit_code
+    return next(code for kind, code in EXIT_CODES.items() if isinstance(error, kind))
+
+
+def refuse(message: str, code: int) -> NoReturn:
+    """Print ``kvshot: message`` as one line on stderr and end the command with status ``code``."""
+    line = one_line(message)
+    line = line if line.startswith("kvshot") else f"kvshot: {line}"
+    print(line, file=sys.stderr)
+    raise Refused(line, code) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="kvshot", description="KVShot: speculative decoding research suite."
+        prog="kvshot", description="KVShot: speculative decoding research suite.", epilog=EXIT_CODES_HELP
     )
     sub = parser.add_subparsers(dest="command", required=True)
     runner.add_cli(sub)  # kvshot run
@@ -54,14 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     bench_cli.add_cli(sub)  # kvshot bench
     export_cli.add_cli(sub)  # kvshot export
     doctor.add_cli(sub)  # kvshot doctor
+    for command in sub.choices.values():  # every subcommand's --help lists the exit codes too
+        command.epilog = command.epilog or EXIT_CODES_HELP
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as e:
-        raise SystemExit(f"kvshot: {one_line(e)}") from None
+        refuse(str(e), exit_code(e))
     except SystemExit as e:
-        if isinstance(e.code, str):  # a subcommand's message: one line
-            raise SystemExit(one_line(e.code)) from None
+        if isinstance(e.code, str) and not isinstance(e, Refused):  # a bare message: a usage error, one line
+            refuse(e.code, EXIT_USAGE)
         raise
 
 

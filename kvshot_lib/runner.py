@@ -28,6 +28,7 @@ import yaml
 
 from . import needs
 from .target.assets import REPO_ROOT
+from .user_errors import EXIT_FAILURE, EXIT_MACHINE_SHORT, EXIT_USAGE
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
@@ -355,7 +356,7 @@ def add_cli(sub) -> None:
         action="store_true",
         help="print the memory, disk and time per notebook this run needs (time from rates measured on a machine "
         "of this run's kind: benchmarks/results/gpu_check_*.json on a GPU, cpu_rates_*.json on a CPU) and run "
-        "nothing; exit status 2 where this machine is short",
+        "nothing; exit status 3 where this machine is short",
     )
     p.add_argument(
         "--force", action="store_true", help="run even where the estimate says memory or disk is short"
@@ -374,15 +375,12 @@ def _cli_run(args) -> int:
             if args.dry_run:
                 print(f"kvshot run --profile {args.profile} --dry-run\n{report}")
             if short:
-                print(
-                    f"kvshot run: {short}" + ("" if args.dry_run else " (--force runs anyway)"),
-                    file=sys.stderr,
-                )
-                return 2
+                print(f"kvshot run: {short} (--force runs anyway)", file=sys.stderr)
+                return EXIT_MACHINE_SHORT
             if args.dry_run:
                 return 0
         run_profile(args.profile, only, sets)
     except (ProfileError, NotebookFailed) as e:
-        print(f"kvshot run: {e}", file=sys.stderr)
-        return 2
+        print(f"kvshot run: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_FAILURE if isinstance(e, NotebookFailed) else EXIT_USAGE
     return 0

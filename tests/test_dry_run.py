@@ -10,6 +10,7 @@ import pytest
 
 from kvshot_lib import cli, needs, run_time, runner
 from kvshot_lib.target import QWEN3_8B_CONFIG
+from kvshot_lib.user_errors import EXIT_MACHINE_SHORT
 
 RESULTS = run_time.RESULTS_DIR
 
@@ -39,7 +40,9 @@ def test_qwen3_8b_trains_online_by_default_and_plans_no_feature_store():
 
 def test_dry_run_refuses_a_too_small_disk_in_one_line(machine, capsys):
     machine(free=5e9)
-    assert cli.main(["run", "--profile", "qwen3-8b", "--set", "device=cpu", "--dry-run"]) == 2
+    assert (
+        cli.main(["run", "--profile", "qwen3-8b", "--set", "device=cpu", "--dry-run"]) == EXIT_MACHINE_SHORT
+    )
     out, err = capsys.readouterr()
     assert "notebook" in out and "02" in out  # the plan is printed before the refusal
     line = err.strip()
@@ -55,7 +58,7 @@ def test_dry_run_passes_where_the_machine_has_enough_and_a_real_run_refuses_wher
     assert cli.main(["run", "--profile", "smoke", "--dry-run"]) == 0
     assert "fits" in capsys.readouterr().out
     machine(free=0)
-    assert cli.main(["run", "--profile", "smoke"]) == 2  # refused before any notebook starts
+    assert cli.main(["run", "--profile", "smoke"]) == EXIT_MACHINE_SHORT  # refused before any notebook starts
     assert "--force runs anyway" in capsys.readouterr().err
 
 

@@ -16,6 +16,7 @@ from kvshot_lib.target import REPO_ROOT
 LIB = REPO_ROOT / "kvshot_lib"
 # The flow, one rank per stage: a package may import only packages of a lower rank (siblings do not meet).
 RANK = {
+    "user_errors": -1,  # the errors a user can fix and the command's exit codes: any stage raises them
     "target": 0,
     "corpus": 1,
     "drafters": 2,

@@ -29,10 +29,11 @@ from pathlib import Path
 
 from ..drafters.base import SessionFactory
 from ..drafters.baselines import BASELINES, drafter_for_target, is_baseline_name, resolve_drafter
-from ..drafters.checkpoint import read_config
+from ..drafters.checkpoint import check_weights, read_config
 from ..drafters.eagle3_format import is_eagle3_folder
 from ..target import Target, target_architecture
 from ..target.precision import DECODE_PRECISIONS
+from ..user_errors import UsageError
 from .config import MODES, SHAPES, DecodeConfig
 from .generate import generate
 from .specpv import SpecPVConfig
@@ -108,37 +109,64 @@ def check_drafter_spec(spec: str, target: str | None = None) -> None:
         arch = target_architecture(target) if target and spec.startswith("early-exit-") else None
         n = int(spec.removeprefix("early-exit-")) if arch else 0
         if arch and not 1 <= n <= arch["n_layers"]:
-            raise SystemExit(
-                f"kvshot: --drafter {spec}: the target {target} has {arch['n_layers']} layers; use "
+            raise UsageError(
+                f"--drafter {spec}: the target {target} has {arch['n_layers']} layers; use "
                 f"early-exit-<n> with n in 1..{arch['n_layers']}."
             )
         return
     path = Path(spec).expanduser()
     if not path.exists():
-        raise SystemExit(
-            f"kvshot: unknown drafter {spec!r}: use none, {', '.join(BASELINES)}, early-exit-<n>, "
+        raise UsageError(
+            f"unknown drafter {spec!r}: use none, {', '.join(BASELINES)}, early-exit-<n>, "
             "or the folder of a trained drafter (runs/<profile>/drafters/<name>/)."
         )
     if not (path.is_dir() and (path / "config.json").is_file()):
-        raise SystemExit(
-            f"kvshot: {path} is not a drafter checkpoint: expected a folder with config.json and "
+        raise UsageError(
+            f"{path} is not a drafter checkpoint: expected a folder with config.json and "
             "model.safetensors, as written by notebook 02."
         )
-    if is_eagle3_folder(path):  # the shared EAGLE-3 layout: its widths are checked when it loads
-        return
     try:
+        check_weights(path)  # a damaged or foreign weights file: refused here, by its header alone
+        if is_eagle3_folder(path):  # the shared EAGLE-3 layout: its widths are checked when it loads
+            return
         cfg = read_config(path)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"kvshot: {e}") from None
+    except FileNotFoundError as e:
+        raise UsageError(f"--drafter {spec}: {e}") from None
     arch = target_architecture(target) if target else None
     trained_for = (cfg.target_fingerprint, cfg.target_vocab_size)
     if arch and (arch["fingerprint"], arch["vocab_size"]) != trained_for:
-        raise SystemExit(
-            f"kvshot: the drafter at {path} was trained for target {cfg.target_name!r} (architecture "
-            f"{cfg.target_fingerprint}, vocab {cfg.target_vocab_size}), but --target {target} is another "
-            f"(architecture {arch['fingerprint']}, vocab {arch['vocab_size']}). Pass --target "
-            f"{cfg.target_name}, or a drafter trained for {target}."
+        fix = (
+            f"Pass --target {cfg.target_name}, or a drafter trained for {target}"
+            if cfg.target_name != target
+            else f"Its config.json does not describe {target} as it is here (edited, or written for another "
+            f"version of it): restore that file, or retrain the drafter for {target}"
         )
+        raise UsageError(
+            f"the drafter at {path} was trained for target {cfg.target_name!r} (architecture "
+            f"{cfg.target_fingerprint}, vocab {cfg.target_vocab_size}), but --target {target} has architecture "
+            f"{arch['fingerprint']}, vocab {arch['vocab_size']}. {fix}."
+        )
+
+
+def check_prompt_text(prompt: str, raw: bool) -> None:
+    """Refuse a ``--prompt`` that holds nothing to answer (empty; only spaces, through the chat template) or text
+    that is not UTF-8 (bytes the shell passed undecoded, which no tokenizer takes)."""
+    if not (prompt if raw else prompt.strip()):
+        raise UsageError(
+            "--prompt is empty: give the text to "
+            + (
+                'continue, e.g. --prompt "Once upon a time".'
+                if raw
+                else 'answer, e.g. --prompt "Why is the sky blue?".'
+            )
+        )
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(
+            f"--prompt is not UTF-8 text (undecodable bytes at character {e.start}): pass UTF-8, e.g. convert it "
+            "with iconv -t UTF-8, or set the terminal's encoding to UTF-8."
+        ) from None
 
 
 def load_cli_drafter(spec: str, target: Target, seed: int) -> SessionFactory | None:
@@ -146,11 +174,22 @@ def load_cli_drafter(spec: str, target: Target, seed: int) -> SessionFactory | N
     of the same architecture with other weights, an early exit deeper than it) is a one-line error."""
     try:
         return resolve_drafter(spec, target, seed)
+    except UsageError:
+        raise
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"kvshot: --drafter {spec}: {e}") from None
+        raise UsageError(f"--drafter {spec}: {e}") from None
 
 
 def decode_config(args, mode: str) -> DecodeConfig:
+    """The decoding settings of ``args``, validated; the counts a decode cannot run with are refused here."""
+    if args.max_new_tokens < 1:
+        raise UsageError(
+            f"--max-new-tokens takes a number of tokens to generate (>= 1), got {args.max_new_tokens}."
+        )
+    if args.threads < 0:
+        raise UsageError(
+            f"--threads takes a number of torch threads (>= 1; 0 leaves torch's default), got {args.threads}."
+        )
     try:
         return DecodeConfig(
             mode=mode,
@@ -165,7 +204,7 @@ def decode_config(args, mode: str) -> DecodeConfig:
             seed=args.seed,
         ).validate()
     except ValueError as e:
-        raise SystemExit(f"kvshot: {e}") from None
+        raise UsageError(f"{e}") from None
 
 
 def partial_config(args) -> SpecPVConfig | None:
@@ -183,7 +222,7 @@ def partial_config(args) -> SpecPVConfig | None:
             score=args.score,
         ).validate()
     except ValueError as e:
-        raise SystemExit(f"kvshot: --verify partial: {e}") from None
+        raise UsageError(f"--verify partial: {e}") from None
 
 
 def load_cli_target(args):
@@ -196,34 +235,29 @@ def load_cli_target(args):
     try:
         return load_target(args.target, device=args.device, dtype=args.dtype, seed=args.seed)
     except TargetLoadError as e:
-        raise SystemExit(f"kvshot: {e}") from None
+        raise UsageError(f"{e}") from None
 
 
 def _cli_generate(args) -> int:
     mode = args.mode or ("ar" if args.drafter == "none" else "chain")
     if mode == "ar" and args.drafter != "none":
-        raise SystemExit(
-            f"kvshot: --mode ar decodes without a drafter; drop --drafter {args.drafter} or use "
-            "--mode chain / tree."
+        raise UsageError(
+            f"--mode ar decodes without a drafter; drop --drafter {args.drafter} or use --mode chain / tree."
         )
     if mode != "ar" and args.drafter == "none":
-        raise SystemExit(
-            f"kvshot: --mode {mode} needs a drafter (--drafter ngram, self, or a checkpoint folder)."
-        )
+        raise UsageError(f"--mode {mode} needs a drafter (--drafter ngram, self, or a checkpoint folder).")
     if args.mt_bench is not None and not 1 <= args.mt_bench <= 80:
-        raise SystemExit(f"kvshot: --mt-bench takes a question number in 1..80, got {args.mt_bench}.")
+        raise UsageError(f"--mt-bench takes a question number in 1..80, got {args.mt_bench}.")
     if args.verify == "full" and args.strict:
-        raise SystemExit("kvshot: --strict re-checks partially verified tokens; it needs --verify partial.")
+        raise UsageError("--strict re-checks partially verified tokens; it needs --verify partial.")
     if args.long_context is not None and args.long_context < 64:
-        raise SystemExit(
-            f"kvshot: --long-context takes a prompt length in tokens (>= 64), got {args.long_context}."
-        )
+        raise UsageError(f"--long-context takes a prompt length in tokens (>= 64), got {args.long_context}.")
     if mode == "ar" and (args.shape != "fixed" or args.lookup):
-        raise SystemExit(
-            "kvshot: --shape chosen and --lookup shape a drafter's proposal; plain decoding has none."
-        )
+        raise UsageError("--shape chosen and --lookup shape a drafter's proposal; plain decoding has none.")
     cfg = decode_config(args, mode)
     partial = partial_config(args)
+    if args.prompt is not None:
+        check_prompt_text(args.prompt, args.raw)
     check_drafter_spec(args.drafter, args.target)
     target = load_cli_target(args)
     drafter = load_cli_drafter(args.drafter, target, args.seed)
@@ -253,6 +287,11 @@ def _cli_generate(args) -> int:
         from ..corpus import chat_prompt_ids
 
         prompt = chat_prompt_ids(tok, [{"role": "user", "content": args.prompt}])
+    if len(prompt) >= target.info.max_context:
+        raise UsageError(
+            f"the prompt has {len(prompt)} tokens, but {target.info.name}'s context holds {target.info.max_context} "
+            f"(the prompt and every token generated): shorten the prompt below {target.info.max_context} tokens."
+        )
     out = generate(target, prompt, cfg, drafter, partial=partial)
     # MAT as evaluation.metrics.mat_from_counts defines it (decoding sits below evaluation in the flow)
     mat = (sum(out.accepted_per_cycle) + out.n_cycles) / out.n_cycles if out.n_cycles else None

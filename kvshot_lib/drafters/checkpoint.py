@@ -9,7 +9,14 @@ The state dict is the drafter's trainable parameters plus ``d2t`` (the draft voc
 and are never saved, so loading needs the target, and refuses one that is not the drafter's: another
 architecture (fingerprint), another vocabulary, or the same architecture with other weights (probe).
 Loading is strict and bitwise: what was saved is what comes back. Nothing is pickled. :func:`load_drafter` also
-takes a folder in the EAGLE-3 layout that the serving engines share (``eagle3_format.py``).
+takes a folder in the EAGLE-3 layout that the serving engines share (``eagle3_format.py``). A weights file that is
+damaged (cut short) or not safetensors at all (a pickle renamed) is refused by its header
+(:func:`check_weights`), as a :class:`~kvshot_lib.user_errors.UsageError`.
+
+:func:`save_drafter` commits with ``config.json``: the new weight files are written under temporary names, the
+old ``config.json`` is withdrawn before any old weight file is replaced, and the new one is renamed in last. An
+interrupted save leaves the old checkpoint, or a folder that :func:`read_config` refuses as incomplete; never
+the weights of one save under the config of another.
 """
 
 from __future__ import annotations
@@ -18,10 +25,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..target import Target
+from ..user_errors import UsageError
 from .block import BlockDrafter
 from .config import DrafterConfig, DrafterConfigError, DrafterTargetMismatch
 from .cross import CrossDrafter
@@ -30,6 +38,7 @@ from .hidden import HiddenDrafter
 from .hybrid import HybridDrafter
 from .kv import KVDrafter
 from .no_target import NoTargetDrafter
+from .output_folder import mode_like
 from .trainable import TrainableDrafter
 from .vocab import vocab_hash
 
@@ -62,7 +71,7 @@ def save_drafter(
     dtype: torch.dtype | None = None,
     max_file_bytes: int | None = None,
 ) -> Path:
-    """Write ``config.json`` and the weights under ``path`` (atomically per file).
+    """Write ``config.json`` and the weights under ``path``, ``config.json`` last (see the module's docstring).
 
     ``dtype`` (e.g. ``torch.bfloat16``) stores the trainable weights in that dtype (the reference run's committed
     checkpoints); ``d2t`` and ``target_probe`` keep theirs. Loading casts back to the drafter's dtype.
@@ -75,22 +84,26 @@ def save_drafter(
         state = {
             k: v.to(dtype) if v.is_floating_point() and k != "target_probe" else v for k, v in state.items()
         }
-    for old in (path / WEIGHTS_FILE, *path.glob(SHARD_GLOB)):  # a save replaces either layout
-        old.unlink(missing_ok=True)
     groups = _shards(state, max_file_bytes)
     names = (
         [WEIGHTS_FILE]
         if len(groups) == 1
         else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     )
-    for name, keys in zip(names, groups):
-        tmp = path / (name + ".tmp")
-        save_file({k: state[k] for k in keys}, str(tmp), metadata={"format": drafter.cfg.format})
-        tmp.rename(path / name)
     cfg = drafter.cfg.as_dict()
     cfg["vocab_hash"] = vocab_hash(drafter.d2t.cpu())
     (path / (CONFIG_FILE + ".tmp")).write_text(json.dumps(cfg, indent=1))
-    (path / (CONFIG_FILE + ".tmp")).rename(path / CONFIG_FILE)
+    for name, keys in zip(names, groups):
+        save_file(
+            {k: state[k] for k in keys}, str(path / (name + ".tmp")), metadata={"format": drafter.cfg.format}
+        )
+    (path / CONFIG_FILE).unlink(missing_ok=True)  # withdrawn: from here the folder reads as incomplete
+    for old in (path / WEIGHTS_FILE, *path.glob(SHARD_GLOB)):  # a save replaces either layout
+        old.unlink(missing_ok=True)
+    for name in names:
+        (path / (name + ".tmp")).rename(path / name)
+    mode_like(path / (CONFIG_FILE + ".tmp"), [path / name for name in names])
+    (path / (CONFIG_FILE + ".tmp")).rename(path / CONFIG_FILE)  # the commit
     return path
 
 
@@ -123,10 +136,26 @@ def weight_files(path: str | Path) -> list[Path]:
     )
 
 
+def check_weights(path: str | Path) -> list[Path]:
+    """The weight files of the checkpoint at ``path``, each with a whole safetensors header that covers the file;
+    a :class:`UsageError` names the one that is cut short or not safetensors (a pickle renamed, say)."""
+    files = weight_files(path)
+    for file in files:
+        try:
+            with safe_open(str(file), "pt"):  # reads the header only, and checks it against the file's size
+                pass
+        except SafetensorError as e:
+            raise UsageError(
+                f"{file} is damaged or not a safetensors file ({e}); copy the checkpoint again from where it came, "
+                "or retrain it."
+            ) from None
+    return files
+
+
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint at ``path``, as saved (either layout)."""
     state = {}
-    for file in weight_files(path):
+    for file in check_weights(path):
         with safe_open(str(file), "pt") as f:
             state.update({k: f.get_tensor(k) for k in f.keys()})
     return state
@@ -147,8 +176,10 @@ def read_config(path: str | Path) -> DrafterConfig:
     weight_files(path)
     try:
         raw = json.loads((path / CONFIG_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise DrafterConfigError(f"{path / CONFIG_FILE} is not valid JSON: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DrafterConfigError(
+            f"{path / CONFIG_FILE} is not valid JSON ({e}); copy the checkpoint again, or retrain it."
+        ) from None
     if not isinstance(raw, dict):
         raise DrafterConfigError(f"{path / CONFIG_FILE} must hold a JSON object.")
     return DrafterConfig.from_dict(raw)

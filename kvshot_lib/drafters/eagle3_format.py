@@ -18,7 +18,8 @@ converted here:
 * **The vocabulary.** ``d2t`` is stored as offsets (target id = draft id + ``d2t[draft id]``), with ``t2d`` a bool
   mask over the target vocabulary; the suite keeps target ids.
 
-What is written (:func:`export_eagle3`): ``config.json`` (``LlamaForCausalLMEagle3``) and ``model.safetensors``
+What is written (:func:`export_eagle3`), into a new or empty folder (one with files needs ``force``), beside it
+first and then swapped in (:mod:`.output_folder`): ``config.json`` (``LlamaForCausalLMEagle3``) and ``model.safetensors``
 with ``fc.weight``, ``fc_norm.{i}.weight`` (3.1), ``midlayer.*``, ``norm.weight``, ``lm_head.weight`` (the
 target's LM-head rows of the draft vocabulary: the suite trains none of its own), ``d2t`` and ``t2d``; no
 ``embed_tokens`` (the engines then share the target's, as the suite does). Only one-layer hidden drafters have
@@ -36,11 +37,14 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..target import Target
+from ..user_errors import UsageError
 from .config import DrafterConfig, DrafterConfigError, DrafterTargetMismatch, drafter_config_for
 from .hidden import HiddenDrafter
+from .output_folder import check_output_folder, mode_like, replacing_folder
 from .vocab import vocab_hash
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -60,9 +64,10 @@ def is_eagle3_folder(path: str | Path) -> bool:
     if not cfg.is_file():
         return False
     try:
-        return ARCHITECTURE in (json.loads(cfg.read_text()).get("architectures") or [])
-    except json.JSONDecodeError:
+        raw = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return False
+    return isinstance(raw, dict) and ARCHITECTURE in (raw.get("architectures") or [])
 
 
 def exportable(cfg: DrafterConfig) -> None:
@@ -78,12 +83,14 @@ def exportable(cfg: DrafterConfig) -> None:
         )
 
 
-def export_eagle3(drafter: HiddenDrafter, target: Target, out: str | Path) -> Path:
-    """Write ``drafter`` (a one-layer hidden drafter) in the EAGLE-3 layout under ``out``; returns ``out``."""
+def export_eagle3(drafter: HiddenDrafter, target: Target, out: str | Path, force: bool = False) -> Path:
+    """Write ``drafter`` (a one-layer hidden drafter) in the EAGLE-3 layout as the folder ``out``; returns ``out``.
+
+    ``out`` must be new or empty, unless ``force``: then the folder is replaced whole. Either way the files are
+    written beside it and swapped in, so an interrupted export leaves the old folder or the new one."""
     cfg = drafter.cfg
     exportable(cfg)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_output_folder(out, force=force)
     state = {k: v.detach().float().cpu() for k, v in drafter.state_dict().items()}
     tensors = {"fc.weight": state["fc.weight"], "norm.weight": state["final_norm.weight"]}
     for i in range(len(cfg.hidden_layers) if cfg.fc_norm else 0):
@@ -96,8 +103,10 @@ def export_eagle3(drafter: HiddenDrafter, target: Target, out: str | Path) -> Pa
     t2d = torch.zeros(cfg.target_vocab_size, dtype=torch.bool)
     t2d[d2t] = True
     tensors["t2d"] = t2d
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(eagle3_config(cfg, target), indent=1))
+    with replacing_folder(out) as folder:
+        (folder / "config.json").write_text(json.dumps(eagle3_config(cfg, target), indent=1))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+        mode_like(folder / "config.json", [folder / "model.safetensors"])  # not safetensors' own 0600
     return out
 
 
@@ -166,7 +175,12 @@ def load_eagle3(path: str | Path, target: Target, dtype: torch.dtype | None = No
                 f"the EAGLE-3 drafter at {path} has {key}={raw.get(key)}, but target {info.name!r} has {want}: it "
                 "was trained for another target. Load that target, or a drafter trained for this one."
             )
-    state = load_file(str(path / "model.safetensors")) if (path / "model.safetensors").is_file() else {}
+    try:
+        state = load_file(str(path / "model.safetensors")) if (path / "model.safetensors").is_file() else {}
+    except SafetensorError as e:
+        raise UsageError(
+            f"{path / 'model.safetensors'} is damaged or not a safetensors file ({e}); export or download it again."
+        ) from None
     if not state:
         raise FileNotFoundError(f"{path} has no model.safetensors (EAGLE-3 weights).")
     state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in state.items()}

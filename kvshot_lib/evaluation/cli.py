@@ -25,6 +25,7 @@ from pathlib import Path
 from ..decoding.cli import check_drafter_spec, decode_args, decode_config, load_cli_drafter, load_cli_target
 from ..drafters import checkpoint_label
 from ..target import DECODE_PRECISIONS, decode_dtype
+from ..user_errors import UsageError
 from . import speed_table, speedup
 
 COLUMNS = [
@@ -78,24 +79,24 @@ def add_cli(sub) -> None:
 
 def _cli_bench(args) -> int:
     if not 1 <= args.n_questions <= 80:
-        raise SystemExit(
-            f"kvshot: --n-questions takes a number of MT-bench questions in 1..80, got {args.n_questions}."
+        raise UsageError(
+            f"--n-questions takes a number of MT-bench questions in 1..80, got {args.n_questions}."
         )
     if args.repeats < 1:
-        raise SystemExit(f"kvshot: --repeats must be >= 1, got {args.repeats}.")
+        raise UsageError(f"--repeats must be >= 1, got {args.repeats}.")
     base = decode_config(args, "chain")
     for t in args.temperatures:
         decode_config(argparse.Namespace(**{**vars(args), "temperature": t}), "chain")
     bad = [m for m in args.methods if m not in speedup.METHODS]
     if bad:
-        raise SystemExit(f"kvshot: unknown methods {bad}; choose from {speedup.METHODS}.")
+        raise UsageError(f"unknown methods {bad}; choose from {speedup.METHODS}.")
     drafter_methods = {}
     for item in args.drafter_methods:
         name, _, listed = item.partition("=")
         wrong = [m for m in listed.split(",") if m not in speedup.METHODS]
         if not name or not listed or wrong:
-            raise SystemExit(
-                f"kvshot: --drafter-methods takes NAME=M1,M2 with methods of {speedup.METHODS}: {item!r}"
+            raise UsageError(
+                f"--drafter-methods takes NAME=M1,M2 with methods of {speedup.METHODS}: {item!r}"
             )
         drafter_methods[name] = tuple(listed.split(","))
     for spec in args.drafters:
@@ -169,9 +170,14 @@ def _write(out: Path, plan, setups, machine: dict, args, done: int):
             divergences=diverged.to_dict(orient="records"),
             cost_models=costs,
         )
-        out.write_text(json.dumps(bundle, indent=1, default=str))
+        text = json.dumps(bundle, indent=1, default=str)
     else:
-        table.to_csv(out, index=False)
+        text = table.to_csv(index=False)
+    tmp = out.with_name(
+        out.name + ".tmp"
+    )  # written beside and renamed: a killed run keeps the last whole table
+    tmp.write_text(text)
+    tmp.replace(out)
     print(f"wrote {out} ({done} of {args.repeats} repetitions)")
     return diverged
 

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from ..drafters.config import PARADIGMS, REGIMES
+from ..user_errors import UsageError
 
 
 def add_cli(subparsers) -> None:
@@ -46,7 +47,7 @@ def parse_sets(items: list[str]) -> dict:
     out = {}
     for item in items:
         if "=" not in item:
-            raise SystemExit(f"kvshot: --set expects KEY=JSON, got {item!r}.")
+            raise UsageError(f"--set expects KEY=JSON, got {item!r}.")
         key, raw = item.split("=", 1)
         try:
             out[key] = json.loads(raw)
@@ -60,9 +61,13 @@ def read_config_file(path: str) -> dict:
     try:
         params = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise SystemExit(f"kvshot: --config {path}: {e}") from None
+        raise UsageError(f"--config {path}: {e}; pass a JSON file of training parameters.") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"--config {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8 JSON."
+        ) from None
     if not isinstance(params, dict):
-        raise SystemExit(f"kvshot: --config {path} must hold a JSON object of training parameters.")
+        raise UsageError(f"--config {path} must hold a JSON object of training parameters.")
     return params
 
 

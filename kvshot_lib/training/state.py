@@ -5,7 +5,7 @@ tensor of the optimizer's state, keyed ``<param index>.<name>``), ``early_stoppi
 parameters early stopping kept, if any) and ``trainer.json`` (the step reached, the optimizer's
 hyper-parameters and non-tensor state, the early-stopping counters, the training config and the logs so
 far). The folder is written under a temporary name and swapped in, so an interruption leaves the previous
-state intact. The data position is a function of the step (see :mod:`kvshot_lib.training.batches`) and the
+state intact (killed between the swap's two renames, it is ``state.old``, which :func:`read_train_state` puts back). The data position is a function of the step (see :mod:`kvshot_lib.training.batches`) and the
 learning rate schedule too, so a resumed run continues exactly where the interrupted one was: same weights,
 history and stopping step (``tests/test_resume.py`` kills runs at several points and checks all three).
 """
@@ -70,7 +70,10 @@ def save_train_state(
 
 def read_train_state(out_dir: Path) -> dict | None:
     """The saved trainer metadata, or None if there is no complete state."""
-    path = Path(out_dir) / STATE_DIR / "trainer.json"
+    final, old = Path(out_dir) / STATE_DIR, Path(out_dir) / (STATE_DIR + ".old")
+    if not final.exists() and (old / "trainer.json").is_file():  # a save killed mid-swap: the previous state
+        old.rename(final)
+    path = final / "trainer.json"
     return json.loads(path.read_text()) if path.is_file() else None
 
 
