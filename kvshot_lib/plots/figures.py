@@ -24,6 +24,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from ..user_errors import EXIT_FAILURE, EXIT_USAGE
 from .registry import FIGURES, FigureSpec
 from .style import add_caption, paper_style, save_figure
 
@@ -141,10 +142,21 @@ def _cli_figures(args) -> int:
     figure_dir = REPO_ROOT / "figures" / args.profile
     if not figure_dir.is_dir() and Path(args.profile).is_dir():  # a figure folder given by its path
         figure_dir = Path(args.profile)
+    known = sorted(p.parent.name for p in (REPO_ROOT / "figures").glob("*/data") if p.is_dir())
+    unknown = [n for n in args.only or [] if n not in FIGURES]
+    if not figure_dir.is_dir() or unknown:
+        what = f"unknown figures {unknown}" if unknown else f"no profile or figure folder {args.profile!r}"
+        fix = (
+            f"the suite's figures are {sorted(FIGURES)}"
+            if unknown
+            else f"the profiles with figures are {known}"
+        )
+        print(f"kvshot figures: {what}; {fix}.", file=sys.stderr)
+        return EXIT_USAGE
     try:
         names = redraw(figure_dir, args.out, args.only)
     except FigureDataError as e:
-        print(f"kvshot figures: {e}", file=sys.stderr)
-        return 2
+        print(f"kvshot figures: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_FAILURE
     print(f"redrew {len(names)} figures of {args.profile} into {args.out or figure_dir}: {', '.join(names)}")
     return 0

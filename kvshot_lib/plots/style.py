@@ -132,9 +132,15 @@ def save_figure(fig, figure_dir: str | Path, name: str) -> list[Path]:
     figure_dir = Path(figure_dir)
     figure_dir.mkdir(parents=True, exist_ok=True)
     paths = [figure_dir / f"{name}.png", figure_dir / f"{name}.pdf"]
-    fig.savefig(paths[0], dpi=200, bbox_inches="tight", metadata={"Software": None})
+    tmp = [p.with_name(f".{p.name}.tmp") for p in paths]  # drawn beside, then renamed: never half a file
+    fig.savefig(tmp[0], format="png", dpi=200, bbox_inches="tight", metadata={"Software": None})
     fig.savefig(
-        paths[1], bbox_inches="tight", metadata={"CreationDate": None, "Producer": None, "Creator": None}
+        tmp[1],
+        format="pdf",
+        bbox_inches="tight",
+        metadata={"CreationDate": None, "Producer": None, "Creator": None},
     )
+    for t, p in zip(tmp, paths):
+        t.replace(p)
     plt.close(fig)
     return paths
