@@ -89,5 +89,5 @@ def test_the_rule_needs_annealed_branches_to_compare():
         TrainConfig(
             paradigm="hidden", regime="ttt", schedule="wsd", curve_points=1, converge_z=2.0
         ).validate()
-    with pytest.raises(TrainConfigError, match="only with init_from"):
-        TrainConfig(paradigm="hidden", regime="ttt", tokens_before=1000).validate()
+    with pytest.raises(TrainConfigError, match="tokens_before=-1"):
+        TrainConfig(paradigm="hidden", regime="ttt", tokens_before=-1).validate()

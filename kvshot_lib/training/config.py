@@ -240,9 +240,9 @@ class TrainConfig:
                 f"converge_z={self.converge_z}: the convergence rule compares annealed decay branches a doubling "
                 "apart, so it needs schedule='wsd' and curve_points >= 2."
             )
-        if self.tokens_before < 0 or (self.tokens_before and not self.init_from):
+        if self.tokens_before < 0:
             bad(
-                f"tokens_before={self.tokens_before}: a count >= 0, and only with init_from (a continued run)."
+                f"tokens_before={self.tokens_before}: the token-passes the starting weights saw, a count >= 0."
             )
         if self.curve_points and not self.eval_sequences:
             bad("curve_points needs held-out evaluations (eval_sequences >= 1).")
