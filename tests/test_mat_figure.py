@@ -2,15 +2,15 @@
 
 import pandas as pd
 
-from kvshot_lib.plots import decoding
+from kvshot_lib.plots import decoding, series
 
 
 def test_stage_is_read_from_the_rows_name():
-    assert decoding.stage_of("hidden-ttt@reference") == 0
-    assert decoding.stage_of("hidden31-ttt") == decoding.stage_of("kv-ttt-zeroed") == 1
-    assert decoding.stage_of("hidden31-ttt-noloop-s2") == 2
-    assert decoding.stage_of("hybrid31-ttt-s3-zeroed") == 3
-    assert decoding.stage_of("hidden-s2x") == 1  # a suffix, not any "-s" in the name
+    assert series.stage_of("hidden-ttt@reference") == 0
+    assert series.stage_of("hidden31-ttt") == series.stage_of("kv-ttt-zeroed") == 1
+    assert series.stage_of("hidden31-ttt-noloop-s2") == 2
+    assert series.stage_of("hybrid31-ttt-s3-zeroed") == 3
+    assert series.stage_of("hidden-s2x") == 1  # a suffix, not any "-s" in the name
 
 
 def test_drafters_are_grouped_by_paradigm_and_ordered_by_stage():
@@ -29,7 +29,7 @@ def test_drafters_are_grouped_by_paradigm_and_ordered_by_stage():
         ("hidden31-ttt", "hidden"),
     ]
     table = pd.DataFrame(rows, columns=["drafter", "paradigm"])
-    assert decoding.drafter_order(table) == [
+    assert series.drafter_order(table) == [
         "ngram",
         "none-ttt",
         "kv-ttt",

@@ -2,15 +2,18 @@
 
 * :mod:`.style`: the theme (seaborn, colour-blind palette, one colour per paradigm), sizes for a two-column
   paper, the caption line, and :func:`save_figure` (PDF + PNG with no dates, so redraws are byte-identical);
+* :mod:`.series`: which drafters a figure draws and in what order: at most eight lines an axis, legends grouped
+  by paradigm and ordered by stage (``tests/test_figure_rules.py`` holds every registered figure to it);
 * one module per notebook family: :mod:`.corpus` (00), :mod:`.diagnostics` (01, 04), :mod:`.training` (02, 05),
-  :mod:`.decoding` (03, 06), :mod:`.specpv` (07);
+  :mod:`.acceptance` (03's acceptance by step, and 02's held-out accuracy beside the paper's Table 5),
+  :mod:`.decoding` (03's MAT, 06), :mod:`.specpv` (07);
   their functions take the saved tables (DataFrames), never live objects;
 * :mod:`.registry`: every figure with the tables it reads (:data:`FIGURES`);
 * :mod:`.figures`: :func:`publish` (a notebook keeps the tables beside the figure and draws it from them) and
   :func:`redraw` (``kvshot figures``).
 """
 
-from . import corpus, decoding, diagnostics, figures, registry, specpv, training
+from . import acceptance, corpus, decoding, diagnostics, figures, registry, series, specpv, training
 from .figures import FigureDataError, draw, load_tables, publish, redraw
 from .registry import FIGURES, FigureSpec
 from .style import (
@@ -33,6 +36,7 @@ __all__ = [
     "PARADIGM_COLORS",
     "FigureDataError",
     "FigureSpec",
+    "acceptance",
     "add_caption",
     "corpus",
     "decoding",
@@ -48,6 +52,7 @@ __all__ = [
     "redraw",
     "registry",
     "save_figure",
+    "series",
     "shade_lookalikes",
     "specpv",
     "training",

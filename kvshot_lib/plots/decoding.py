@@ -1,5 +1,5 @@
-"""Figures of the decoding notebooks: acceptance by draft step (03), MAT by drafter (03), speedup vs MAT and the
-measured cost model (06).
+"""Figures of the decoding notebooks: MAT by drafter (03), speedup vs MAT and the measured cost model (06); acceptance
+by draft step (03) is :mod:`.acceptance`'s.
 
 Each function takes the table its notebook writes (as read back from the saved CSV) and returns a matplotlib
 figure; :mod:`.figures` saves it (PDF + PNG).
@@ -7,89 +7,23 @@ figure; :mod:`.figures` saves it (PDF + PNG).
 
 from __future__ import annotations
 
-import re
-
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from .style import MODE_STYLES, PAGE, drafter_color, finish_figure, paradigm_of
+from .series import drafter_order, paradigm_keys
+from .style import PAGE, drafter_color, finish_figure
 
 _MARKERS = "osD^vP*Xhp<>"
 
 
-def paradigm_keys(table: pd.DataFrame) -> dict[str, str]:
-    """Per drafter, in the table's order: its paradigm's key (its recorded paradigm, or a baseline's name)."""
-    recorded = {}
-    if "paradigm" in table:
-        recorded = dict(
-            table[["drafter", "paradigm"]].drop_duplicates("drafter").itertuples(index=False, name=None)
-        )
-    return {name: paradigm_of(name, recorded.get(name)) for name in dict.fromkeys(table["drafter"])}
-
-
 def _looks(table: pd.DataFrame) -> dict:
-    """Per drafter: its paradigm's colour, and a marker that tells apart drafters of one paradigm."""
+    """Per drafter, grouped by paradigm and ordered by stage: its paradigm's colour, and a marker that tells apart
+    drafters of one paradigm."""
     keys = paradigm_keys(table)
     return {
-        name: dict(color=drafter_color(name, key), marker=_MARKERS[i % len(_MARKERS)])
-        for i, (name, key) in enumerate(keys.items())
+        name: dict(color=drafter_color(name, keys[name]), marker=_MARKERS[i % len(_MARKERS)])
+        for i, name in enumerate(drafter_order(table))
     }
-
-
-def plot_acceptance_by_step(
-    table: pd.DataFrame, title: str = "Acceptance by draft step", min_attempts: int = 20
-):
-    """Left: alpha_k, acceptance at step k given steps 0..k-1 accepted. Right: P(steps 0..k all accepted).
-    One row of panels per temperature; color = drafter, line style = chain (solid) / tree (dashed).
-    Steps attempted fewer than ``min_attempts`` times are not drawn (their alpha is noise); the table
-    keeps them with their ``n_attempts``."""
-    temps = sorted(table["temperature"].unique())
-    looks = _looks(table)
-    fig, axes = plt.subplots(len(temps), 2, figsize=(PAGE, 2.4 * len(temps)), squeeze=False, sharex=True)
-    for row, temp in zip(axes, temps):
-        sub = table[table["temperature"] == temp]
-        for (drafter, mode), d in sub.groupby(["drafter", "mode"], sort=False):
-            d = d[d["n_attempts"] >= min_attempts].sort_values("step")
-            kw = dict(**looks[drafter], linestyle=MODE_STYLES.get(mode, ":"))
-            row[0].plot(d["step"], d["alpha_conditional"], label=f"{drafter} ({mode})", **kw)
-            row[1].plot(d["step"], d["p_reach"], **kw)
-        row[0].set_ylabel(f"T = {temp:g}\nconditional acceptance $\\alpha_k$")
-        row[1].set_ylabel("P(first k+1 drafts accepted)")
-        for ax in row:
-            ax.set_ylim(-0.02, 1.02)
-            ax.grid(alpha=0.3)
-    for ax in axes[-1]:
-        ax.set_xlabel("draft step k")
-    axes[0][0].set_title("conditional: $\\alpha_k$")
-    axes[0][1].set_title("unconditional: reach probability")
-    return finish_figure(fig, f"{title}  (steps with < {min_attempts} attempts not drawn)", axes[0][0])
-
-
-# left to right in the MAT figure: the baselines, the control without the target, then the target readers
-PARADIGM_ORDER = ("ngram", "random", "self", "early-exit", "none", "kv", "hidden", "cross", "hybrid", "block")
-
-
-def stage_of(name: str) -> int:
-    """A drafter's stage, from its name: 0 for another run's checkpoint (``row@run``), ``n`` for a ``-s<n>`` row
-    (``hidden31-ttt-noloop-s2``), else 1."""
-    if "@" in name:
-        return 0
-    m = re.search(r"-s(\d+)(?=-|$)", name)
-    return int(m.group(1)) if m else 1
-
-
-def drafter_order(table: pd.DataFrame) -> list[str]:
-    """The drafters of ``table``, grouped by paradigm (:data:`PARADIGM_ORDER`, unknown ones last) and ordered by
-    stage within a paradigm, a zeroed-KV control after the drafters of its stage, EAGLE-3 before EAGLE 3.1 (a
-    ``31`` row: ``hidden31-ttt``); the table's order breaks ties."""
-    keys, rank = paradigm_keys(table), {p: i for i, p in enumerate(PARADIGM_ORDER)}
-
-    def key(i_name):
-        i, name = i_name
-        eagle31 = name.split("-")[0].endswith("31")
-        return rank.get(keys[name], len(rank)), stage_of(name), "zeroed" in name, eagle31, i
-
-    return [name for _, name in sorted(enumerate(keys), key=key)]
 
 
 def plot_mat_by_drafter(

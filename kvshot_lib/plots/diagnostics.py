@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
+from .series import MAX_SERIES, pick_drafters
 from .style import (
     COLUMN,
     PAGE,
@@ -65,9 +66,14 @@ def _looks(table: pd.DataFrame) -> dict[str, dict]:
 
 
 def _estimates(table: pd.DataFrame) -> pd.DataFrame:
-    """The drafters' own rows, plus the baselines once (from the first drafter: they do not depend on it)."""
+    """The drafters' own rows (as many as leave room for the baselines within eight lines, grouped by paradigm
+    and ordered by stage: :func:`~.series.pick_drafters`), plus the baselines once (from the first drafter: they
+    do not depend on it)."""
     first = table["drafter"].iloc[0]
-    own = table[table["estimator"] == "drafter"].assign(line=lambda d: d["drafter"])
+    own = table[table["estimator"] == "drafter"]
+    drawn = pick_drafters(own, MAX_SERIES - len(BASELINE_LOOKS))
+    own = own[own["drafter"].isin(drawn)].assign(line=lambda d: d["drafter"])
+    own = own.iloc[own["drafter"].map({n: i for i, n in enumerate(drawn)}).argsort(kind="stable")]
     base = table[(table["estimator"] != "drafter") & (table["drafter"] == first)]
     return pd.concat([own, base.assign(line=base["estimator"])], ignore_index=True)
 

@@ -102,7 +102,8 @@ def publish(name: str, results_dir: str | Path, figure_dir: str | Path, context:
 
 def redraw(figure_dir: str | Path, out_dir: str | Path | None = None, names=None) -> list[str]:
     """Redraw every figure of a profile's folder from its ``data/`` tables (into ``out_dir``, default the
-    same folder). A figure is expected where its PNG or any of its tables is present; returns the names."""
+    same folder). A figure is expected where its PNG or any of its tables is present (and its ``only_with`` table,
+    where it names one); returns the names."""
     figure_dir = Path(figure_dir)
     data_dir = figure_dir / "data"
     if not data_dir.is_dir():
@@ -113,7 +114,11 @@ def redraw(figure_dir: str | Path, out_dir: str | Path | None = None, names=None
         names = [
             s.name
             for s in FIGURES.values()
-            if (figure_dir / f"{s.name}.png").is_file() or any((data_dir / t).is_file() for t in s.tables)
+            if (figure_dir / f"{s.name}.png").is_file()
+            or (
+                any((data_dir / t).is_file() for t in s.tables)
+                and (not s.only_with or (data_dir / s.only_with).is_file())
+            )
         ]
     for name in names:
         plt.close(draw(name, data_dir, out_dir or figure_dir))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import corpus, decoding, diagnostics, specpv, training
+from . import acceptance, corpus, decoding, diagnostics, specpv, training
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,9 @@ class FigureSpec:
     counts: Callable[[dict], str] = lambda t: ""  # tables -> "what each point averages"
     optional: tuple[str, ...] = ()  # tables read (and kept beside the figure) where they are present
     command: str = ""  # what writes the tables where no notebook does (a step of the reference run)
+    only_with: str = (
+        ""  # a table whose absence means the folder has no such figure (the paper's, beside a run's)
+    )
 
     @property
     def writer(self) -> str:
@@ -50,7 +53,15 @@ def _per_step_counts(t):
 
 def _acceptance_counts(t):
     d = t["acceptance_by_step.csv"]
-    return f"each point: {_n_range(d['n_attempts'][d['n_attempts'] > 0])} draft attempts"
+    d = d[d["mode"] == ("chain" if (d["mode"] == "chain").any() else d["mode"].iloc[0])]
+    shown = d["n_attempts"][d["n_attempts"] >= acceptance.REACH_MIN]
+    turns = t.get("acceptance_bootstrap.csv")
+    over = (
+        f" over {_n_range(turns['n_generations'])} turns"
+        if turns is not None and "n_generations" in turns
+        else ""
+    )
+    return f"each point: {_n_range(shown)} draft attempts{over}; {acceptance.caption()}"
 
 
 def _speedup_counts(t):
@@ -160,6 +171,22 @@ SPECS = [
         _per_step_counts,
     ),
     FigureSpec(
+        "02_paper_table5",
+        "02_train_drafters",
+        ("per_step_accuracy.csv", "paper_table5.csv"),
+        lambda t: acceptance.plot_paper_table5(t["per_step_accuracy.csv"], t["paper_table5.csv"]),
+        {
+            "per_step_accuracy.csv": ["drafter", "paradigm", "draft_step", "accuracy", "n"],
+            "paper_table5.csv": ["paper_row", *(f"alpha_{k}" for k in range(7))],
+        },
+        lambda t: (
+            f"ours: {_n_range(t['per_step_accuracy.csv']['n'])} held-out positions a point, band: 95% Wilson "
+            "interval; paper: Qwen3-8B, ShareGPT ~70k samples × 3 epochs, SpecForge TTT (its Table 5, no interval)"
+        ),
+        command="python -m kvshot_lib.reference",
+        only_with="paper_table5.csv",
+    ),
+    FigureSpec(
         "02_kv_ablation",
         "02_train_drafters",
         ("kv_ablation.csv",),
@@ -242,7 +269,9 @@ SPECS = [
         "03_acceptance_by_step",
         "03_acceptance_by_step",
         ("acceptance_by_step.csv",),
-        lambda t: decoding.plot_acceptance_by_step(t["acceptance_by_step.csv"]),
+        lambda t: acceptance.plot_acceptance_by_step(
+            t["acceptance_by_step.csv"], t.get("acceptance_bootstrap.csv")
+        ),
         {
             "acceptance_by_step.csv": [
                 "drafter",
@@ -252,9 +281,11 @@ SPECS = [
                 "alpha_conditional",
                 "p_reach",
                 "n_attempts",
-            ]
+            ],
+            "acceptance_bootstrap.csv": ["drafter", "mode", "temperature", "metric", "lo", "hi"],
         },
         _acceptance_counts,
+        optional=("acceptance_bootstrap.csv",),
     ),
     FigureSpec(
         "03_mat_by_drafter",

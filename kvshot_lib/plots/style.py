@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,12 +73,14 @@ def paper_style():
 
 
 def paradigm_of(name: str, paradigm: str | None = None) -> str:
-    """A drafter's paradigm key for colours: its recorded paradigm, or a baseline's name."""
+    """A drafter's paradigm key for colours: its recorded paradigm, a baseline's name, or where a table records
+    none, the paradigm its name starts with (``hidden31-ttt-s3``: hidden)."""
     if isinstance(paradigm, str) and paradigm in PARADIGM_COLORS:
         return paradigm
     if name.startswith("early-exit"):
         return "early-exit"
-    return name if name in PARADIGM_COLORS else ""
+    stem = re.match(r"[a-z]+", name)
+    return name if name in PARADIGM_COLORS else stem[0] if stem and stem[0] in PARADIGM_COLORS else ""
 
 
 def drafter_color(name: str, paradigm: str | None = None):

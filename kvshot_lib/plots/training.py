@@ -12,7 +12,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.ticker import LogLocator, NullFormatter
 
-from .decoding import drafter_order, paradigm_keys
+from .series import MAX_SERIES, drafter_order, left_out, paradigm_keys, pick_drafters
 from .style import PAGE, REGIME_STYLES, drafter_color, shade_lookalikes
 
 _GROUP_PALETTE = sns.color_palette("colorblind", 10)
@@ -38,8 +38,10 @@ def _style(name: str, paradigm: str, regime: str, target_kv: str = "real") -> di
 
 
 def _styles(df: pd.DataFrame) -> dict[str, dict]:
-    """:func:`_style` of every drafter in ``df``, look-alikes told apart (:func:`~.style.shade_lookalikes`)."""
-    return shade_lookalikes({name: _style(name, *style) for name, *style in _drafters(df)})
+    """:func:`_style` of the drafters of ``df`` that a figure draws (at most eight: :func:`~.series.pick_drafters`),
+    look-alikes told apart (:func:`~.style.shade_lookalikes`)."""
+    drawn = set(pick_drafters(df))
+    return shade_lookalikes({name: _style(name, *style) for name, *style in _drafters(df) if name in drawn})
 
 
 def wilson_interval(p, n, z: float = 1.96):
@@ -52,15 +54,17 @@ def wilson_interval(p, n, z: float = 1.96):
 
 def _drafters(df: pd.DataFrame) -> list[tuple[str, str, str, str]]:
     """(drafter, paradigm, regime, target_kv) grouped by paradigm and ordered by stage as in the MAT figure
-    (:func:`~.decoding.drafter_order`); tables written before controls existed are "real"."""
+    (:func:`~.series.drafter_order`); tables written before controls existed are "real"."""
     df = df if "target_kv" in df else df.assign(target_kv="real")
     cols = ["drafter", "paradigm", "regime", "target_kv"]
     rank = {name: i for i, name in enumerate(drafter_order(df))}
     return sorted(df[cols].drop_duplicates().itertuples(index=False, name=None), key=lambda d: rank[d[0]])
 
 
-def _legend_outside(fig, handles, labels) -> None:
-    """One legend for the figure, right of the axes, so that it never covers a curve."""
+def _legend_outside(fig, handles, labels, extra=()) -> None:
+    """One legend for the figure, right of the axes, so that it never covers a curve; ``extra`` handles last
+    (:func:`~.series.left_out`)."""
+    handles, labels = [*handles, *extra], [*labels, *(h.get_label() for h in extra)]
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
 
 
@@ -68,7 +72,8 @@ def plot_training_curves(history: pd.DataFrame, smooth: int = 10):
     """Training loss and training step-0 agreement with the target, per drafter, against optimizer steps: a rolling
     mean of ``smooth`` steps (of fewer rows where a row holds a block of ``steps``, as the reference runs' tables)."""
     fig, axes = plt.subplots(1, 2, figsize=(PAGE, 2.6))
-    for name, style in _styles(history).items():
+    styles = _styles(history)
+    for name, style in styles.items():
         h = history[history["drafter"] == name].sort_values("step")
         window = (
             max(1, smooth // int(h["steps"].max())) if "steps" in h and h["steps"].notna().all() else smooth
@@ -87,14 +92,17 @@ def plot_training_curves(history: pd.DataFrame, smooth: int = 10):
         "dash-dot parallel; faded: trained with the target KV zeroed)"
     )
     fig.tight_layout()
-    _legend_outside(fig, *axes[1].get_legend_handles_labels())
+    _legend_outside(
+        fig, *axes[1].get_legend_handles_labels(), left_out(history, styles, "training_history.csv")
+    )
     return fig
 
 
 def plot_per_step_accuracy(per_step: pd.DataFrame):
     """Held-out accuracy by draft step k (left) and retention acc_k / acc_0 (right), per drafter."""
     fig, axes = plt.subplots(1, 2, figsize=(PAGE, 2.7))
-    for name, style in _styles(per_step).items():
+    styles = _styles(per_step)
+    for name, style in styles.items():
         d = per_step[per_step["drafter"] == name].sort_values("draft_step")
         kw = dict(**style, marker="o", label=name)
         axes[0].plot(d["draft_step"], d["accuracy"], **kw)
@@ -114,8 +122,21 @@ def plot_per_step_accuracy(per_step: pd.DataFrame):
         ax.grid(alpha=0.3)
     fig.suptitle("Long-range decay: per-step accuracy on held-out ShareGPT (teacher-forced prefix)")
     fig.tight_layout()
-    _legend_outside(fig, *axes[0].get_legend_handles_labels())
+    _legend_outside(
+        fig, *axes[0].get_legend_handles_labels(), left_out(per_step, styles, "per_step_accuracy.csv")
+    )
     return fig
+
+
+def _cross_drafters(table: pd.DataFrame) -> list[str]:
+    """At most eight drafters, shared out between the kinds of answers they trained on (each kind's headlines
+    first: :func:`~.series.pick_drafters`), grouped by paradigm and ordered by stage."""
+    kinds = list(dict.fromkeys(table["trained_on"]))
+    chosen = set()
+    for i, kind in enumerate(kinds):
+        share = MAX_SERIES // len(kinds) + (i < MAX_SERIES % len(kinds))
+        chosen.update(pick_drafters(table[table["trained_on"] == kind], share))
+    return [n for n in drafter_order(table) if n in chosen]
 
 
 def plot_heldout_cross(table: pd.DataFrame):
@@ -128,7 +149,7 @@ def plot_heldout_cross(table: pd.DataFrame):
     looks = shade_lookalikes(
         {
             name: dict(color=drafter_color(name, paradigm[name]), ls="-" if "@" not in name else "--")
-            for name in drafter_order(table)  # grouped by paradigm, ordered by stage
+            for name in _cross_drafters(table)
         }
     )
     for ax, held in zip(axes[0], sets):
@@ -150,7 +171,7 @@ def plot_heldout_cross(table: pd.DataFrame):
     axes[0][0].set_ylabel("held-out accuracy at draft step k")
     fig.suptitle("Each drafter on each held-out set (legend: the answers it trained on, token-passes)")
     fig.tight_layout()
-    _legend_outside(fig, *axes[0][0].get_legend_handles_labels())
+    _legend_outside(fig, *axes[0][0].get_legend_handles_labels(), left_out(table, looks, "heldout_cross.csv"))
     return fig
 
 
@@ -234,8 +255,9 @@ def plot_heldout_over_training(evals: pd.DataFrame, steps: tuple[int, ...] = (0,
     """Held-out accuracy at a few draft steps over the course of training, per drafter."""
     steps = [k for k in steps if f"acc_{k}" in evals]
     fig, axes = plt.subplots(1, len(steps), figsize=(PAGE, 2.4), sharey=True, squeeze=False)
+    styles = _styles(evals)
     for ax, k in zip(axes[0], steps):
-        for name, style in _styles(evals).items():
+        for name, style in styles.items():
             e = evals[evals["drafter"] == name].sort_values("step")
             ax.plot(e["step"], e[f"acc_{k}"], **style, marker=".", label=name)
         ax.set_title(f"draft step {k}")
@@ -243,7 +265,9 @@ def plot_heldout_over_training(evals: pd.DataFrame, steps: tuple[int, ...] = (0,
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("held-out accuracy")
     fig.tight_layout()
-    _legend_outside(fig, *axes[0][-1].get_legend_handles_labels())
+    _legend_outside(
+        fig, *axes[0][-1].get_legend_handles_labels(), left_out(evals, styles, "heldout_eval.csv")
+    )
     return fig
 
 
@@ -430,15 +454,18 @@ def plot_learning_curves(
     tick at the right edge of each panel, where the points identify one (``fits["identified"]``).
 
     ``stopped``: the points of rows whose training stopped before their plateau or cap (the same columns), drawn
-    beside the others as "<row> (stopped)", with no asymptote."""
-    if stopped is not None and len(stopped):
+    beside the others as "<row> (stopped)", with no asymptote. At most eight drafters: the stopped rows, and as
+    many finished ones as leave room (:func:`~.series.pick_drafters`)."""
+    halted = [] if stopped is None else list(dict.fromkeys(stopped["drafter"] + " (stopped)"))[:MAX_SERIES]
+    drawn = {*halted, *pick_drafters(curves, MAX_SERIES - len(halted))}
+    if halted:
         curves = pd.concat(
             [curves, stopped.assign(drafter=stopped["drafter"] + " (stopped)")], ignore_index=True
         )
     metrics = [m for m in CURVE_TITLES if m in set(curves["metric"])]
     fig, axes = plt.subplots(1, len(metrics), figsize=(PAGE, 2.7), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
-        m = curves[curves["metric"] == metric]
+        m = curves[(curves["metric"] == metric) & curves["drafter"].isin(drawn)]
         for name, kw in _styles(m).items():
             d = m[m["drafter"] == name].sort_values("tokens")
             ax.errorbar(
@@ -470,5 +497,7 @@ def plot_learning_curves(
         "Learning curves: each point is an annealed drafter at that budget (ticks: identified asymptotes)"
     )
     fig.tight_layout()
-    _legend_outside(fig, *axes[0][0].get_legend_handles_labels())
+    _legend_outside(
+        fig, *axes[0][0].get_legend_handles_labels(), left_out(curves, drawn, "learning_curves.csv")
+    )
     return fig

@@ -63,6 +63,7 @@ ROUNDED = {"training_history.csv": 5}
 LAST_IN_BLOCK = ("step", "lr", "seconds", "epoch")
 FIGURES = {
     "02_per_step_accuracy": ("per_step_accuracy.csv",),
+    "02_paper_table5": ("per_step_accuracy.csv", "paper_table5.csv"),
     "02_training_curves": ("training_history.csv",),
     "02_heldout_over_training": ("heldout_eval.csv",),
     "02_learning_curves": ("learning_curves.csv", "curve_asymptotes.csv"),
