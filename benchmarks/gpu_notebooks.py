@@ -42,19 +42,33 @@ NOTEBOOKS = ("00", "01", "02", "03", "04", "05", "06", "07")
 FIGURES = (  # the PNGs that come back beside the summary: with the JSON, the markdown and a log, 8 files
     "02_per_step_accuracy", "03_acceptance_by_step", "04_query_error_by_step", "06_speedup_vs_mat", "07_specpv_speed",
 )  # fmt: skip
-MAX_ROWS = 200  # rows of one table kept in the summary
+MAX_ROWS = 40  # rows of one table kept in the summary (each numeric column's range covers them all)
 # ShareGPT records the bundle must hold: the suite's splits hold out the first 500 of a seeded permutation of the
 # records (corpus.DEFAULT_EVAL_SIZE), and notebook 00 takes 50 more for its length statistics (make gpu-bundle: 700)
 BUNDLE_CONVERSATIONS = 700
 # per scale: the target's shape and dtype, the device, and what the run sets beyond the profile
 SCALES = {
     "qwen3-8b": dict(config="QWEN3_8B_CONFIG", device="cuda", dtype="bfloat16", sets={}),
-    # the tiny Qwen3 shape has 8 layers: the probes read the middle of its drafters' layers 1, 3, 4
+    # toy shapes, the same code: the tiny Qwen3 shape (8 layers: the probes read the middle of its drafters' layers
+    # 1, 3, 4), a 512-token draft vocabulary and 256-token sequences (a 32,000-token vocabulary over 2 x 512 tokens
+    # and 7 unrolled steps takes minutes per drafter on a 2-core CPU), shorter SpecPV contexts and budgets
     "tiny": dict(
         config="TINY_CONFIG",
         device="cpu",
         dtype="float32",
-        sets=dict(device="cpu", dtype="float32", probe_layers=[3]),
+        sets=dict(
+            device="cpu",
+            dtype="float32",
+            probe_layers=[3],
+            draft_vocab_size=512,
+            max_len=256,
+            max_tokens=256,
+            contexts=[512, 1024],
+            budgets=[128, 256],
+            speed_budgets=[256],
+            cost_lengths=[256, 512, 1024],
+            precisions=["auto"],  # bf16 where this CPU has it natively; 06 refuses bf16 emulated in software
+        ),
     ),
 }
 
@@ -162,6 +176,16 @@ def _finite_rows(frame) -> tuple[list[dict], dict]:
     return rows, nonfinite
 
 
+def column_ranges(frame) -> dict:
+    """``{column: [min, max]}`` over the finite values of each numeric column (None: no finite value)."""
+    numeric = frame.select_dtypes("number").astype(float)
+    out = {}
+    for column in numeric.columns:
+        finite = numeric[column][numeric[column].map(math.isfinite)]
+        out[column] = [round(float(finite.min()), 6), round(float(finite.max()), 6)] if len(finite) else None
+    return out
+
+
 def read_tables(folders: list[Path], seen: set[str]) -> dict:
     """Every CSV in ``folders`` not in ``seen``: rows, columns, its non-finite count and its first rows."""
     import pandas as pd
@@ -180,7 +204,8 @@ def read_tables(folders: list[Path], seen: set[str]) -> dict:
             rows, nonfinite = _finite_rows(frame)
             tables[path.name] = dict(
                 folder=str(path.parent.relative_to(REPO)) if path.is_relative_to(REPO) else str(path.parent),
-                n_rows=len(frame), columns=list(frame.columns), nonfinite=nonfinite, rows=rows,
+                n_rows=len(frame), columns=list(frame.columns), nonfinite=nonfinite, ranges=column_ranges(frame),
+                rows=rows,
             )  # fmt: skip
     return tables
 
@@ -245,15 +270,16 @@ def run(scale: str, bundle: Path | None, target: str | None, out_dir: Path, site
     if target is None:
         from kvshot_lib.target import cache_dir
 
-        folder = cache_dir() / "models" / f"random-qwen3-{scale}"
+        folder = cache_dir() / "models" / f"random-{scale}"
         summary["target"] = build_target(scale, bundle, folder)
         target = str(folder)
     else:
         summary["target"] = dict(source=f"the folder {target}", folder=target)
     sets = {**SCALES[scale]["sets"], "target": str(Path(target).resolve())}
     run_dir, figure_dir = REPO / "runs" / name, REPO / "figures" / name
-    shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.rmtree(figure_dir, ignore_errors=True)
+    if not only:  # a whole run starts clean; --only reruns notebooks on the outputs of the ones before them
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(figure_dir, ignore_errors=True)
     seen: set[str] = set()
     selected = [n for n in NOTEBOOKS if not only or n in only]
     for number in selected:

@@ -175,7 +175,7 @@ def test_make_gpu_notebooks_tiny_runs_every_notebook_from_a_bundle(tmp_path):
     assert summary["done"] == "8 of 8" and [nb["notebook"] for nb in summary["notebooks"]] == list(
         gpu_notebooks.NOTEBOOKS
     )
-    config = json.loads((tmp_path / "cache" / "models" / "random-qwen3-tiny" / "config.json").read_text())
+    config = json.loads((tmp_path / "cache" / "models" / "random-tiny" / "config.json").read_text())
     assert (config["model_type"], config["num_hidden_layers"], config["vocab_size"]) == ("qwen3", 8, 49152)
     for nb in summary["notebooks"]:
         assert nb["tables"] and nb["figures"], f"notebook {nb['notebook']} wrote no table or drew no figure"
@@ -195,3 +195,10 @@ def test_make_gpu_bundle_carries_enough_records_for_the_notebooks_splits(tmp_pat
     (tmp_path / "bundle.json").write_text(json.dumps({"sharegpt_records": 400}))  # gpu_check's own default
     with pytest.raises(SystemExit, match="holds 400 ShareGPT records"):
         gpu_notebooks.check_bundle(tmp_path)
+
+
+def test_each_numeric_columns_range_is_over_its_finite_values():
+    frame = pd.DataFrame(
+        {"a": [2.0, math.nan, -1.5, math.inf], "b": [math.nan, math.nan, math.nan, math.nan]}
+    )
+    assert gpu_notebooks.column_ranges(frame) == {"a": [-1.5, 2.0], "b": None}
