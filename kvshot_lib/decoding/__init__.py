@@ -8,6 +8,9 @@
 * :mod:`.verify`: the acceptance rule: greedy match, rejection sampling, the accepted path and the bonus token;
 * :mod:`.sampling`: from logits to the distributions drafts and the target's tokens are drawn from;
 * :mod:`.tree`: :class:`DraftTree` and the fixed shapes: a chain, and EAGLE-2's dynamic tree (its one builder);
+* :mod:`.device_draft`: the same cycle drafted in tensors at fixed shapes (a chain; EAGLE-2's tree as a fixed-width
+  beam), one host read per cycle, replayed as a CUDA graph on a GPU (``DecodeConfig.draft_loop``);
+* :mod:`.replay`: speculative decoding at a given acceptance (real drafting and verification, drawn verdicts);
 * :mod:`.proposal`: shapes chosen by expected speed, and prompt lookup's continuation joined to the drafts;
 * :mod:`.speed_model`: the acceptance estimates and the expected tokens per second shapes are chosen by;
 * :mod:`.cost_model`: what a cycle costs on this machine, measured once and cached;
@@ -31,6 +34,7 @@ from .cost_model import (
     measure_verification,
 )
 from .cycle import CycleState, Prefill, draft_cycle, keep_block_positions, stop_tokens
+from .device_draft import beam_loop, chain_loop, device_chain, device_tree, draft_capture_seconds
 from .engine import autoregressive_generate, speculative_generate
 from .generate import generate
 from .kernels import small_batch_linear
@@ -44,6 +48,7 @@ from .partial_kv import (
     selected_positions,
 )
 from .proposal import add_lookup, chosen_chain, chosen_tree, lookup_chain, select_by_value
+from .replay import ReplayedAcceptance, mat_of, profile_for_mat
 from .sampling import check_sampling_args, logits_to_probs, sample
 from .specpv import VARIANTS, SpecPVConfig, SpecPVResult, specpv_generate
 from .speed_model import (
@@ -86,6 +91,14 @@ __all__ = [
     "measure_drafter",
     "measure_verification",
     "select_by_value",
+    "ReplayedAcceptance",
+    "beam_loop",
+    "chain_loop",
+    "device_chain",
+    "device_tree",
+    "draft_capture_seconds",
+    "mat_of",
+    "profile_for_mat",
     "CycleState",
     "DecodeConfig",
     "DraftTree",

@@ -15,6 +15,7 @@ from .speed_model import SpeedModel
 MODES = ("ar", "chain", "tree")
 SHAPES = ("fixed", "chosen")
 TARGET_CACHES = ("auto", "dynamic", "static")
+DRAFT_LOOPS = ("auto", "host", "device")
 
 
 @dataclass
@@ -31,7 +32,15 @@ class DecodeConfig:
     ``target_cache`` is the target's KV cache: ``dynamic`` (transformers' ``DynamicCache``, grown by concatenation),
     ``static`` (preallocated and written by slot; on a GPU every decode and verify forward is a CUDA graph replay,
     :mod:`kvshot_lib.target.graphs`) or ``auto``: static on a GPU, dynamic on a CPU (where the static cache's
-    full-length attention costs more than it saves). Both give the same tokens."""
+    full-length attention costs more than it saves). Both give the same tokens.
+
+    ``draft_loop`` is where a greedy fixed-shape cycle is drafted: ``host`` (:mod:`.tree`: the dynamic tree built in
+    Python, level by level), ``device`` (:mod:`.device_draft`: the chain or the fixed-width beam tree in tensors over
+    the session's fixed-shape steps, one host read per cycle; on a GPU replayed as a CUDA graph) or ``auto``: device
+    on a GPU, host on a CPU. Sampling, shapes chosen by expected speed and drafters without fixed-shape steps (n-gram,
+    the target itself) always draft on the host. ``compile_target``: on a GPU's static cache, the recorded forwards
+    run the decoder layers' norms and MLPs compiled by ``torch.compile`` (:func:`kvshot_lib.target.graphs.compiled_layers`;
+    compiling takes seconds per width, so it is off by default, and a CPU ignores it)."""
 
     mode: str = "chain"
     max_new_tokens: int = 128
@@ -49,6 +58,10 @@ class DecodeConfig:
     lookup: bool = False  # prompt lookup joins the drafter's proposal
     lookup_tokens: int = 8
     target_cache: str = "auto"  # "auto" | "dynamic" | "static"
+    draft_loop: str = "auto"  # "auto" | "host" | "device"
+    compile_target: bool = (
+        False  # GPU, static cache: graphs record the decoder layers' norms and MLPs compiled
+    )
     speed: SpeedModel | None = field(default=None, repr=False, compare=False)
 
     def validate(self) -> DecodeConfig:
@@ -56,6 +69,8 @@ class DecodeConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
         if self.target_cache not in TARGET_CACHES:
             raise ValueError(f"target_cache must be one of {TARGET_CACHES}, got {self.target_cache!r}.")
+        if self.draft_loop not in DRAFT_LOOPS:
+            raise ValueError(f"draft_loop must be one of {DRAFT_LOOPS}, got {self.draft_loop!r}.")
         if self.shape not in SHAPES:
             raise ValueError(f"shape must be one of {SHAPES}, got {self.shape!r}.")
         if self.shape == "chosen" and self.speed is None:
@@ -84,6 +99,12 @@ class DecodeConfig:
     def static_cache(self, device) -> bool:
         """Whether the target decodes on a static cache on ``device`` (``target_cache``; auto: on a GPU)."""
         return self.target_cache == "static" or (self.target_cache == "auto" and device.type == "cuda")
+
+    def device_draft(self, device) -> bool:
+        """Whether a cycle drafts on the device path (``draft_loop``; auto: on a GPU), where it applies: greedy,
+        fixed shapes."""
+        on = self.draft_loop == "device" or (self.draft_loop == "auto" and device.type == "cuda")
+        return on and self.temperature == 0 and self.shape == "fixed"
 
     def widest_block(self) -> int:
         """The most tokens one target forward can verify: the root and every node of the largest proposal."""

@@ -26,6 +26,7 @@ from ..target.forward import clone_cache, forward, new_cache, prepare_graphs
 from ..target.graphs import width_for
 from ..target.static_cache import StaticKVCache, static_cache_for
 from .config import DecodeConfig, GenerationResult
+from .device_draft import device_chain, device_tree
 from .proposal import add_lookup, chosen_chain, chosen_tree, lookup_chain, select_by_value
 from .tree import DraftTree, draft_chain, draft_dynamic_tree
 from .verify import choose_token
@@ -149,7 +150,7 @@ class CycleState:
         static = None
         if self.cfg.static_cache(model.device):
             need = self.prompt_len + self.cfg.max_new_tokens + width_for(self.cfg.widest_block())
-            static = static_cache_for(model, need)
+            static = static_cache_for(model, need, self.cfg.compile_target)
         if shared is not None:
             pre = shared.copy(self.ids, layers, model.config)
             if static is not None:
@@ -273,12 +274,22 @@ def draft_cycle(
             )
         budget = cfg.chain_depth if cfg.mode == "chain" and lookup is None else cfg.tree_budget
         return select_by_value(tree, spent, cfg.speed, budget)
+    device = cfg.device_draft(committed.device) and stop_after is None
+    tree = None
     if cfg.mode == "chain":
         depth = min(cfg.chain_depth, cap)
-        tree = draft_chain(session, committed, view, depth, T, k, p, gen, stop_after)
+        if device:
+            tree = device_chain(session, committed, view, cfg.chain_depth, cap)
+        if tree is None:
+            tree = draft_chain(session, committed, view, depth, T, k, p, gen, stop_after)
     else:
         depth = min(cfg.tree_depth, cap)
-        tree = draft_dynamic_tree(session, committed, view, depth, cfg.tree_top_k, cfg.tree_budget, T, k, p)
+        if device:
+            tree = device_tree(session, committed, view, cfg.tree_depth, cfg.tree_top_k, cfg.tree_budget, cap)
+        if tree is None:
+            tree = draft_dynamic_tree(
+                session, committed, view, depth, cfg.tree_top_k, cfg.tree_budget, T, k, p
+            )
     if lookup is not None:
         tree = add_lookup(tree, *lookup_chain(lookup, committed, min(cfg.lookup_tokens, cap)), None)
     return tree

@@ -30,12 +30,13 @@ import torch
 from torch import Tensor
 
 from ..drafters.base import SessionFactory, TargetView
-from ..drafters.tree_mask import ancestor_matrix, tree_attention_mask
+from ..drafters.tree_mask import tree_attention_mask
 from ..target import Target
 from ..target.forward import forward
 from .config import DecodeConfig, GenerationResult
 from .cycle import CycleState, Prefill, keep_block_positions
 from .kernels import small_batch_linear
+from .replay import ReplayedAcceptance
 from .tree import DraftTree
 from .verify import choose_token, verify_tree
 
@@ -71,21 +72,29 @@ def speculative_generate(
     cfg: DecodeConfig,
     on_cycle: Callable[[Tensor, object], None] | None = None,
     prefill: Prefill | None = None,
+    replay: ReplayedAcceptance | None = None,
 ) -> GenerationResult:
     """Chain or tree speculative decoding with ``drafter`` (any SessionFactory). Lossless: at temperature 0
     the output is token for token that of :func:`autoregressive_generate`; at temperature > 0 it follows
     the target's distribution. ``on_cycle(committed [1, P], cache)`` is called after every cycle (tests).
-    ``prefill``: start from a copy of a shared :class:`Prefill` of this prompt."""
+    ``prefill``: start from a copy of a shared :class:`Prefill` of this prompt. ``replay``: each cycle's verdict
+    drawn at a given acceptance instead (:mod:`.replay`: the costs stay real, the output is its reference's)."""
     cfg.validate()
     if cfg.mode == "ar":
         return autoregressive_generate(target, prompt_ids, cfg, prefill)
     with small_batch_linear(target.model, drafter, enabled=cfg.small_batch_kernel):
-        return _speculative(target, drafter, prompt_ids, cfg, on_cycle, prefill)
+        return _speculative(target, drafter, prompt_ids, cfg, on_cycle, prefill, replay)
 
 
 @torch.inference_mode()
 def _speculative(
-    target: Target, drafter: SessionFactory, prompt_ids, cfg: DecodeConfig, on_cycle, prefill=None
+    target: Target,
+    drafter: SessionFactory,
+    prompt_ids,
+    cfg: DecodeConfig,
+    on_cycle,
+    prefill=None,
+    replay=None,
 ) -> GenerationResult:
     model, dev = target.model, target.model.device
     state = CycleState(target, prompt_ids, cfg)
@@ -103,12 +112,15 @@ def _speculative(
         if cap > 0:
             tree = state.draft(session, TargetView(cache=cache, hidden=state.hidden), cap)
         t_verify = time.perf_counter()
+        if replay is not None:  # the verdict drawn first: the block then carries the reference's tokens
+            path, bonus = replay.choose(tree, len(result.token_ids))
         block = torch.tensor([[result.token_ids[-1], *tree.tokens]], device=dev)  # [1, N+1]
         positions = torch.tensor([[P, *(P + 1 + d for d in tree.depths)]], device=dev)  # [1, N+1]
         chain = tree.is_chain()  # the model's causal mask serves a chain
-        mask = None if chain else tree_attention_mask(ancestor_matrix(tree.parents), P, mask_dtype, dev)
+        mask = None if chain else tree_attention_mask(tree.ancestors(), P, mask_dtype, dev)
         out = forward(model, block, cache, positions=positions, mask=mask, hidden_states=bool(layers))
-        path, bonus = verify_tree(tree, out.logits[0], cfg, state.gen, session.d2t, result)
+        if replay is None:
+            path, bonus = verify_tree(tree, out.logits[0], cfg, state.gen, session.d2t, result)
         t_commit = time.perf_counter()
         keep = [0, *(i + 1 for i in path)]
         keep_block_positions(cache, P, keep)

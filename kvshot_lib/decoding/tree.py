@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..drafters.base import DraftSession, TargetView
+from ..drafters.tree_mask import ancestor_matrix
 from .sampling import logits_to_probs, sample
 
 
@@ -47,6 +48,7 @@ class DraftTree:
     confs: list[float] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
+    anc: Tensor | None = None  # [N+1, N+1] its ancestor matrix where the device built it (.device_draft)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -58,11 +60,17 @@ class DraftTree:
             out[p + 1].append(i)
         return out
 
+    def ancestors(self) -> Tensor:
+        """``[N+1, N+1]`` bool, block row b sees column c (:func:`~kvshot_lib.drafters.tree_mask.ancestor_matrix`):
+        the one the device built with the tree, else built from ``parents``."""
+        return self.anc if self.anc is not None else ancestor_matrix(self.parents)
+
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
     def add(self, token: int, parent: int, depth: int, conf: float, source: str, value: float) -> int:
         """Append a node (its parent already in the tree); returns its index."""
+        self.anc = None  # no longer the tree it was built for
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(depth)

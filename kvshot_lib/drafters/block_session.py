@@ -21,6 +21,7 @@ from torch import Tensor
 from .attention import Segment
 from .base import SessionFactory, TargetView
 from .kv_buffer import LayerKV, TargetKV
+from .static_steps import BlockSteps, DraftBuffers, borrow
 
 
 class BlockDraftSession:
@@ -33,11 +34,18 @@ class BlockDraftSession:
         self.hidden_layers: tuple[int, ...] = tuple(d.hidden_layers)
         self.K, L = cfg.block_size, cfg.n_layers
         dev, dt = d.head.device, d.head.dtype
-        self.tgt = TargetKV(d, capacity) if cfg.uses_target_kv else None
-        self.own: LayerKV | None = None  # the context's K/V from the fused hidden states
-        if cfg.uses_hidden:
-            kvh, D = d.layers[0].self_attn.n_kv_heads, d.layers[0].self_attn.head_dim
-            self.own = LayerKV(L, kvh, D, capacity, dev, dt)
+        kvh, D = d.layers[0].self_attn.n_kv_heads, d.layers[0].self_attn.head_dim
+        self.buffers = borrow(
+            d,
+            self,
+            lambda: DraftBuffers(
+                LayerKV(L, kvh, D, capacity, dev, dt)
+                if cfg.uses_hidden
+                else None,  # the fused hidden states' K/V
+                TargetKV(d, capacity) if cfg.uses_target_kv else None,
+            ),
+        )
+        self.tgt, self.own = self.buffers.tgt, self.buffers.own
         self.n_own = 0
         self.P = -1
         self.rows: Tensor | None = None  # [K, V_draft] this cycle's draft logits by block offset 1..K
@@ -87,6 +95,13 @@ class BlockDraftSession:
 
     def end_cycle(self) -> None:
         self.depths = []
+
+    def static_steps(self, width: int, levels: int) -> BlockSteps:
+        """The block's draft rows as fixed-shape steps (:mod:`.static_steps`); ``levels`` is capped at the block."""
+        steps = self.buffers.steps
+        if width not in steps:
+            steps[width] = BlockSteps(self.rows, width)
+        return steps[width]
 
     # ----------------------------------------------------------------------------------------- internals
 

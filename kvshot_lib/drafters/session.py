@@ -23,6 +23,7 @@ from torch import Tensor
 from .attention import Segment
 from .base import SessionFactory, TargetView
 from .kv_buffer import LayerKV, TargetKV, grow
+from .static_steps import DraftBuffers, StaticDraftSteps, borrow
 
 
 class TrainedDraftSession:
@@ -38,9 +39,16 @@ class TrainedDraftSession:
         kvh, D = (
             (cfg.n_injected_heads, cfg.target_head_dim) if self.kv_only else (cfg.n_kv_heads, cfg.head_dim)
         )
-        self.own = LayerKV(cfg.n_layers, kvh, D, capacity, dev, dt)
+        self.buffers = borrow(
+            d,
+            self,
+            lambda: DraftBuffers(
+                LayerKV(cfg.n_layers, kvh, D, capacity, dev, dt),
+                TargetKV(d, capacity) if cfg.uses_target_kv else None,
+            ),
+        )
+        self.own, self.tgt = self.buffers.own, self.buffers.tgt
         self.n_own = 0
-        self.tgt = TargetKV(d, capacity) if cfg.uses_target_kv else None
         self.anc = torch.zeros(node_capacity, node_capacity, dtype=torch.bool, device=dev)
         self.depth = torch.zeros(node_capacity, dtype=torch.long, device=dev)
         self.node_out = torch.zeros(node_capacity, cfg.hidden_size, device=dev, dtype=dt)
@@ -174,3 +182,11 @@ class TrainedDraftSession:
     def end_cycle(self) -> None:
         self.n_nodes = 0
         self._mode = "context"
+
+    def static_steps(self, width: int, levels: int) -> StaticDraftSteps:
+        """This session's draft steps at fixed shapes (``width`` nodes per level, ``levels`` levels), over buffers
+        allocated once (:mod:`.static_steps`): what a graph-ready draft loop calls after :meth:`start_cycle`."""
+        key, steps = (width, levels), self.buffers.steps
+        if key not in steps:
+            steps[key] = StaticDraftSteps(self.d, self.buffers, width, levels)
+        return steps[key]

@@ -85,13 +85,22 @@ class TrainableDrafter(nn.Module):
         w = self._frozen.embed_weight
         return nn.functional.embedding(ids.to(w.device), w).to(self.compute_dtype())  # [..., H]
 
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin for ``positions [n]``: each ``[1, 1, n, D]`` (broadcast over batch and heads)."""
-        need = int(positions.max().item()) + 1 if positions.numel() else 1
-        if self._cos.shape[0] < need:
-            self._rope_table(max(need, 2 * self._cos.shape[0], 4096))
+    def rope(self, positions: Tensor, bound: int | None = None) -> tuple[Tensor, Tensor]:
+        """cos, sin for ``positions [n]``: each ``[1, 1, n, D]`` (broadcast over batch and heads). ``bound``: a
+        host-known bound on the positions (the table then holds it without reading ``positions`` back: no host
+        sync, as a captured draft step needs)."""
+        if bound is None:
+            bound = int(positions.max().item()) + 1 if positions.numel() else 1
+        self.rope_ready(bound)
         dt = self.compute_dtype()
         return self._cos[positions][None, None].to(dt), self._sin[positions][None, None].to(dt)
+
+    def rope_ready(self, n: int) -> int:
+        """Make the RoPE table hold positions ``0..n-1``; returns its address (a CUDA graph that reads the table
+        is stale once it changes: :mod:`kvshot_lib.drafters.static_steps`)."""
+        if self._cos.shape[0] < n:
+            self._rope_table(max(n, 2 * self._cos.shape[0], 4096))
+        return self._cos.data_ptr()
 
     def _rope_table(self, n: int) -> None:
         pos = torch.arange(n, device=self.head.device)[None]  # [1, n]

@@ -10,10 +10,20 @@ once per width, then replay it with new inputs copied into the recorded input bu
 * :class:`CapturedForward` is one recorded forward of one width over one :class:`~.static_cache.StaticKVCache` (its
   buffers are the graph's memory: the cache keeps its graphs, and a new cache captures anew);
 * capture happens on first use of a width, and its seconds are kept (:func:`capture_seconds`) so that a benchmark
-  reports them apart from decoding.
+  reports them apart from decoding;
+* on a cache made ``compiled``, the decoder layers' RMSNorms and SwiGLU MLPs run compiled by ``torch.compile``
+  (:func:`compiled_layers`: the norm's six elementwise kernels and the MLP's SiLU-times-up become fused kernels)
+  while the graph is recorded, and eagerly again after: the graph keeps the fused kernels, the prefill stays eager,
+  and the compile time is inside the capture seconds.
 
 Only the forward is in the graph: building the mask, copying the inputs in, and reading the logits out stay
 outside, and the acceptance rule reads the logits once per cycle (one host sync).
+
+The drafter's side is captured here too: :class:`CapturedCall` records any function of fixed buffers, and
+:mod:`kvshot_lib.decoding.device_draft` records with it a whole draft loop (a chain's K steps with their argmax, or
+the fixed-width beam tree with its top-k, selection and tree mask) over a draft session's fixed-shape steps
+(:mod:`kvshot_lib.drafters.static_steps`), as SGLang's ``eagle_draft_cuda_graph_runner.py`` does; its capture
+seconds are kept apart (:func:`capture_seconds` counts them with the target's when given the session's loops).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +57,29 @@ class StaticOutput:
     hidden_states: tuple[Tensor, ...] | None  # L + 1 tensors [1, n, H], or None
 
 
+def fused_modules(model) -> list[torch.nn.Module]:
+    """What :func:`compiled_layers` compiles: every decoder layer's RMSNorms (Qwen3's q/k norms too) and its MLP."""
+    out = []
+    for layer in model.model.layers:
+        out += [m for m in layer.modules() if type(m).__name__.endswith("RMSNorm")]
+        out.append(layer.mlp)
+    return out
+
+
+@contextmanager
+def compiled_layers(model, on: bool = True):
+    """Within it, ``model``'s decoder layers' norms and MLPs run compiled (``torch.compile``, fixed shapes, no
+    CUDA graphs of its own: the graph here records its kernels); eager again after, parameters untouched."""
+    mods = fused_modules(model) if on else []
+    try:
+        for m in mods:
+            m.compile(dynamic=False)
+        yield
+    finally:
+        for m in mods:
+            m._compiled_call_impl = None  # what nn.Module.compile set: the module calls its own forward again
+
+
 class CapturedForward:
     """One forward of ``width`` tokens over ``cache``, recorded as a CUDA graph (``hidden``: with every layer's
     hidden states). ``call(model, ids, cache, positions, mask, hidden)`` is the eager forward to record."""
@@ -64,17 +98,20 @@ class CapturedForward:
         def run():
             return call(model, self.ids, cache, self.positions, self.mask, hidden)
 
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up off the capture: cuBLAS handles, workspaces, lazy inits
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        if cache.graph_pool is None:
-            cache.graph_pool = torch.cuda.graph_pool_handle()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=cache.graph_pool):
-            out = run()
+        with compiled_layers(model, cache.compiled):
+            side = torch.cuda.Stream(device=dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(
+                side
+            ):  # warm-up off the capture: cuBLAS handles, workspaces, lazy inits, compile
+                for _ in range(2):
+                    run()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            if cache.graph_pool is None:
+                cache.graph_pool = torch.cuda.graph_pool_handle()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=cache.graph_pool):
+                out = run()
         self.logits = out.logits  # [1, W, V]
         self.hidden = tuple(out.hidden_states) if hidden else None
         torch.cuda.synchronize(dev)
@@ -104,5 +141,31 @@ def captured(call: Callable, model, cache: StaticKVCache, n: int, hidden: bool) 
 
 
 def capture_seconds(cache: StaticKVCache) -> float:
-    """Seconds spent capturing ``cache``'s graphs so far."""
+    """Seconds spent capturing ``cache``'s graphs so far (the target's; a draft loop's are
+    :func:`kvshot_lib.decoding.device_draft.draft_capture_seconds`)."""
     return sum(g.seconds for g in cache.graphs.values())
+
+
+class CapturedCall:
+    """``fn()`` (no arguments: it reads and writes fixed buffers) recorded once as a CUDA graph on ``device``;
+    calling replays it and returns what ``fn`` returned at capture (views of the graph's memory: read them before
+    the next replay). ``seconds``: warm-up and capture."""
+
+    def __init__(self, fn: Callable, device):
+        t0 = time.perf_counter()
+        dev = torch.device(device)
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up off the capture: cuBLAS handles, workspaces, lazy inits
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = fn()
+        torch.cuda.synchronize(dev)
+        self.seconds = time.perf_counter() - t0
+
+    def __call__(self):
+        self.graph.replay()
+        return self.out

@@ -47,7 +47,7 @@ class StaticKVCache(Cache):
     ``length`` is the number of committed positions (a host integer: no device read to learn it); ``slots [n]``
     is where the running forward writes, set by :func:`prepare` before every forward."""
 
-    def __init__(self, config, max_len: int, device, dtype: torch.dtype):
+    def __init__(self, config, max_len: int, device, dtype: torch.dtype, compiled: bool = False):
         n_layers = config.num_hidden_layers
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -65,6 +65,7 @@ class StaticKVCache(Cache):
         self.padded = self.device.type == "cuda" or PAD_ON_CPU  # blocks run at a graph's padded width
         self.graphs: dict = {}  # (width, hidden) -> a captured forward (.graphs), kept with the buffers it reads
         self.graph_pool = None
+        self.compiled = compiled  # its graphs record the decoder layers' norms and MLPs compiled (.graphs)
 
     # --- what transformers' attention calls
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
@@ -148,18 +149,19 @@ def prepare(cache: StaticKVCache, ids: Tensor, positions: Tensor | None, mask: T
 _POOL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(slots, dtype): StaticKVCache}
 
 
-def static_cache_for(model, need: int) -> StaticKVCache:
+def static_cache_for(model, need: int, compiled: bool = False) -> StaticKVCache:
     """An empty static cache of at least ``need`` slots for ``model``. On a GPU one cache per power-of-two size (at
     least 2,048 slots: every MT-bench turn fits one, so a benchmark's warm-up captures every graph it will replay) is
     kept with the model, so a later generation replays the graphs an earlier one captured; on a CPU a fresh cache
-    of exactly ``need`` slots (attention reads every slot: no more than needed)."""
+    of exactly ``need`` slots (attention reads every slot: no more than needed). ``compiled``: on a GPU, graphs
+    that record the decoder layers' norms and MLPs compiled by ``torch.compile`` (:mod:`.graphs`; a CPU ignores it)."""
     p = next(model.parameters())
     if p.device.type != "cuda":
         return StaticKVCache(model.config, need, p.device, p.dtype)
-    # one per size and dtype: a model cast in place gets caches of its new dtype
-    key = (max(2048, 1 << (need - 1).bit_length()), p.dtype)
+    # one per size, dtype and compilation: a model cast in place gets caches of its new dtype
+    key = (max(2048, 1 << (need - 1).bit_length()), p.dtype, compiled)
     caches = _POOL.setdefault(model, {})
     if key not in caches:
-        caches[key] = StaticKVCache(model.config, key[0], p.device, p.dtype)
+        caches[key] = StaticKVCache(model.config, key[0], p.device, p.dtype, compiled)
     caches[key].reset()
     return caches[key]
