@@ -13,11 +13,13 @@ expected speed under the measured cost model (measured once per machine and prec
 
 Arguments are checked before the target is loaded: an unknown drafter, a drafter path that is not a
 checkpoint folder, a drafter with ``--mode ar`` (or none with chain/tree), a negative temperature, or a
-bad partial-verification setting (negative budget, a block size that does not divide it, P < 0) fail at
-once with a message saying what to pass instead; so do a checkpoint trained for another target and an early
-exit deeper than the target, whenever ``--target``'s config can be read without its weights (the presets, a
-local folder). What only the loaded target can tell (same architecture, other weights) fails after loading,
-as one line too. ``tests/test_cli_errors.py`` runs each of these through the command line.
+bad partial-verification setting (negative budget, a block size that does not divide it, P < 0), an empty or
+non-UTF-8 ``--prompt``, ``--max-new-tokens`` below 1, a negative ``--threads`` and a weights file that is damaged or
+not safetensors fail at once with a message saying what to pass instead (a
+:class:`~kvshot_lib.user_errors.UsageError`, exit status 2); so do a checkpoint trained for another target and an
+early exit deeper than the target, whenever ``--target``'s config can be read without its weights (the presets, a
+local folder). What only the loaded target can tell (same architecture, other weights; a prompt longer than its
+context) fails after loading, as one line too. ``tests/test_cli_errors.py`` runs each of these through the command line.
 """
 
 from __future__ import annotations

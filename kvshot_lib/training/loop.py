@@ -122,8 +122,10 @@ def _finished(out: Path, cfg: TrainConfig) -> bool:
 
 
 def _write_logs(out: Path, logs: dict) -> None:
-    for name in LOG_TABLES:
-        pd.DataFrame(logs.get(name, [])).to_csv(out / f"{name}.csv", index=False)
+    for name in LOG_TABLES:  # each written beside and renamed in: never half a table
+        tmp = out / f"{name}.csv.tmp"
+        pd.DataFrame(logs.get(name, [])).to_csv(tmp, index=False)
+        tmp.replace(out / f"{name}.csv")
 
 
 def read_logs(out_dir: str | Path) -> dict:
@@ -366,7 +368,8 @@ def _decay_branch(ctx: StepContext, loader, step: int, evaluate, seen: int) -> d
 def _save_finished(
     out: Path, drafter: TrainableDrafter, cfg: TrainConfig, logs, seconds: float, data, stopping, precision
 ):
-    """Write the checkpoint (with the training metadata in its config) and the log tables; drop the state."""
+    """Write the log tables, then the checkpoint (with the training metadata in its config, written last: the
+    commit that marks the run finished), then drop the state. Killed before the commit, the run resumes."""
     n_tokens = sum(r["tokens"] for r in logs["history"])
     drafter.cfg.extra = dict(
         drafter.cfg.extra,
@@ -383,8 +386,8 @@ def _save_finished(
         plateau=plateau(logs["eval"]),
         **stopping,
     )
-    save_drafter(drafter, out)
     _write_logs(out, logs)
+    save_drafter(drafter, out)
     shutil.rmtree(out / STATE_DIR, ignore_errors=True)
 
 
