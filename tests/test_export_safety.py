@@ -1,6 +1,7 @@
 """`kvshot export` never destroys a checkpoint: it refuses its own drafter's folder (or one holding it) as
 ``--out``, a folder with files in it without ``--force``, and it writes beside ``--out`` and swaps the new folder
-in, so an export killed while it writes leaves the old folder as it was (hashes before and after)."""
+in, so an export killed while it writes leaves the old folder as it was (hashes before and after). A drafter
+checkpoint's own save commits with its ``config.json``, last."""
 
 from __future__ import annotations
 
@@ -15,7 +16,15 @@ import pytest
 import torch
 
 from kvshot_lib import cli, target
-from kvshot_lib.drafters import build_drafter, drafter_config_for, eagle3_format, load_drafter, save_drafter
+from kvshot_lib.drafters import (
+    build_drafter,
+    checkpoint,
+    drafter_config_for,
+    eagle3_format,
+    load_drafter,
+    read_config,
+    save_drafter,
+)
 from kvshot_lib.user_errors import EXIT_USAGE
 
 
@@ -143,3 +152,33 @@ def test_an_export_killed_while_it_writes_leaves_the_old_folder_intact(drafter_d
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
     assert tree_hashes(out) == first
     assert load_drafter(out, tiny_llama).cfg.draft_vocab_size == 64
+
+
+def test_a_checkpoint_save_cut_short_never_pairs_new_weights_with_the_old_config(
+    tiny_llama, tmp_path, monkeypatch
+):
+    """``save_drafter`` commits with ``config.json``: cut before the weights are renamed in, the old checkpoint is
+    whole; cut after, the folder reads as incomplete, never as the old config over the new weights."""
+    cfg = drafter_config_for(tiny_llama, "hidden", draft_vocab_size=64)
+    folder = save_drafter(build_drafter(cfg, tiny_llama, torch.arange(64), seed=0), tmp_path / "d")
+    old = {n: tree_hashes(folder)[n] for n in ("config.json", "model.safetensors")}
+    other = build_drafter(cfg, tiny_llama, torch.arange(64, 128), seed=1)  # another draft vocabulary
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "save_file", cut)  # before any weight file is renamed in
+    with pytest.raises(KeyboardInterrupt):
+        save_drafter(other, folder)
+    assert {n: tree_hashes(folder)[n] for n in old} == old
+    assert load_drafter(folder, tiny_llama).d2t.tolist() == list(range(64))
+
+    monkeypatch.undo()
+    monkeypatch.setattr(checkpoint, "mode_like", cut)  # the new weights are in, the commit is not
+    with pytest.raises(KeyboardInterrupt):
+        save_drafter(other, folder)
+    with pytest.raises(FileNotFoundError, match="lacks config.json; it is incomplete"):
+        read_config(folder)
+    monkeypatch.undo()
+    save_drafter(other, folder)  # saved again, whole
+    assert load_drafter(folder, tiny_llama).d2t.tolist() == list(range(64, 128))
