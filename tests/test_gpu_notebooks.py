@@ -202,3 +202,24 @@ def test_each_numeric_columns_range_is_over_its_finite_values():
         {"a": [2.0, math.nan, -1.5, math.inf], "b": [math.nan, math.nan, math.nan, math.nan]}
     )
     assert gpu_notebooks.column_ranges(frame) == {"a": [-1.5, 2.0], "b": None}
+
+
+def test_a_short_online_run_finishes_into_a_folder_that_does_not_exist_yet(tmp_path):
+    """Notebook 05 under gpu-smoke: 4 online steps, no state saved, no decay branch, so nothing has created the
+    run's folder when its log tables are written (they are written before the checkpoint)."""
+    from kvshot_lib.corpus import tokenize_sharegpt
+    from kvshot_lib.target import load_target
+    from kvshot_lib.training import TrainConfig, build_draft_vocab, train_drafter
+
+    target = load_target("tiny-qwen3", device="cpu", seed=0)
+    train = tokenize_sharegpt(target.tokenizer, "train", 3, 64, seed=0, use_cache=False)
+    held = tokenize_sharegpt(target.tokenizer, "eval", 2, 64, seed=0, use_cache=False)
+    cfg = TrainConfig(paradigm="kv", regime="ttt", ttt_steps=2, train_steps=2, batch_size=2, max_tokens=64,
+                      draft_vocab_size=128, eval_every=2, eval_sequences=2, probe_every=0, save_every=0,
+                      data_source="online")  # fmt: skip
+    out = tmp_path / "remedies" / "baseline-seed0"
+    run = train_drafter(
+        target, train, held, cfg, out, d2t=build_draft_vocab(train, target, 128), progress=False
+    )
+    assert (out / "history.csv").is_file() and (out / "config.json").is_file()
+    assert len(run.logs["history"]) == 2

@@ -122,6 +122,8 @@ def _finished(out: Path, cfg: TrainConfig) -> bool:
 
 
 def _write_logs(out: Path, logs: dict) -> None:
+    # the first write into the run's folder when no state was saved (a few steps, no decay branch)
+    out.mkdir(parents=True, exist_ok=True)
     for name in LOG_TABLES:  # each written beside and renamed in: never half a table
         tmp = out / f"{name}.csv.tmp"
         pd.DataFrame(logs.get(name, [])).to_csv(tmp, index=False)
