@@ -327,3 +327,9 @@ def test_every_kind_of_bad_input_is_one_line_and_harms_nothing(
 def test_the_table_holds_every_kind_of_the_issue():
     assert len(CASES) == 34 and len({c.name for c in CASES}) == 34
     assert {c.code for c in CASES} == {EXIT_USAGE, EXIT_MACHINE_SHORT}
+
+
+def test_a_long_context_prompt_the_target_cannot_hold_is_one_line(tiny_llama, monkeypatch):
+    loads(monkeypatch, lambda args: tiny_llama)
+    message = cli_error(["generate", "--target", "tiny-llama", "--long-context", "100000"])
+    assert message.startswith("kvshot: --long-context 100000:") and "ask for at most 8128 tokens" in message

@@ -282,7 +282,10 @@ def _cli_generate(args) -> int:
     elif args.long_context is not None:
         from ..corpus import long_prompts
 
-        prompt = long_prompts(tok, args.long_context, 1, max_context=target.info.max_context)[0].ids
+        try:  # a length the target's context cannot hold is refused with the longest it can
+            prompt = long_prompts(tok, args.long_context, 1, max_context=target.info.max_context)[0].ids
+        except ValueError as e:
+            raise UsageError(f"--long-context {args.long_context}: {e}") from None
     elif args.raw:
         prompt = tok(args.prompt, add_special_tokens=False)["input_ids"]
     else:
