@@ -173,9 +173,7 @@ def _write(out: Path, plan, setups, machine: dict, args, done: int):
         text = json.dumps(bundle, indent=1, default=str)
     else:
         text = table.to_csv(index=False)
-    tmp = out.with_name(
-        out.name + ".tmp"
-    )  # written beside and renamed: a killed run keeps the last whole table
+    tmp = out.with_name(out.name + ".tmp")  # written beside, then renamed: a killed run keeps a whole table
     tmp.write_text(text)
     tmp.replace(out)
     print(f"wrote {out} ({done} of {args.repeats} repetitions)")
