@@ -186,24 +186,24 @@ def column_ranges(frame) -> dict:
     return out
 
 
-def read_tables(folders: list[Path], seen: set[str]) -> dict:
-    """Every CSV in ``folders`` not in ``seen``: rows, columns, its non-finite count and its first rows."""
+def read_tables(folders: list[Path], since: float) -> dict:
+    """Every CSV in ``folders`` written since ``since`` (a notebook's start, wall clock), by its path under the
+    repository: rows, columns, its empty and infinite cells and numeric ranges per column, its first rows."""
     import pandas as pd
 
     tables = {}
     for folder in folders:
         for path in sorted(folder.glob("*.csv")):
-            if path.name in seen:
+            if path.stat().st_mtime < since:
                 continue
-            seen.add(path.name)
+            name = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
             try:
                 frame = pd.read_csv(path)
             except (ValueError, pd.errors.EmptyDataError) as e:
-                tables[path.name] = dict(error=f"{type(e).__name__}: {e}")
+                tables[name] = dict(error=f"{type(e).__name__}: {e}")
                 continue
             rows, nonfinite = _finite_rows(frame)
-            tables[path.name] = dict(
-                folder=str(path.parent.relative_to(REPO)) if path.is_relative_to(REPO) else str(path.parent),
+            tables[name] = dict(
                 n_rows=len(frame), columns=list(frame.columns), nonfinite=nonfinite, ranges=column_ranges(frame),
                 rows=rows,
             )  # fmt: skip
@@ -280,11 +280,9 @@ def run(scale: str, bundle: Path | None, target: str | None, out_dir: Path, site
     if not only:  # a whole run starts clean; --only reruns notebooks on the outputs of the ones before them
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(figure_dir, ignore_errors=True)
-    seen: set[str] = set()
     selected = [n for n in NOTEBOOKS if not only or n in only]
     for number in selected:
-        figures_before = {p.name for p in figure_dir.glob("*.png")}
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         row = dict(notebook=number, status="running")
         summary["notebooks"].append(row)
         try:
@@ -298,10 +296,10 @@ def run(scale: str, bundle: Path | None, target: str | None, out_dir: Path, site
             traceback.print_exc()
             row.update(status="failed", error=f"{type(e).__name__}: {e}"[:4000])
         row["seconds"] = round(time.perf_counter() - t0, 1)
-        tables = read_tables([figure_dir / "data", run_dir / "results"], seen)
+        tables = read_tables([figure_dir / "data", run_dir / "results"], started)
         summary["tables"].update(tables)
         row["tables"] = sorted(tables)
-        row["figures"] = sorted({p.name for p in figure_dir.glob("*.png")} - figures_before)
+        row["figures"] = sorted(p.name for p in figure_dir.glob("*.png") if p.stat().st_mtime >= started)
         ok = sum(r["status"] == "ok" for r in summary["notebooks"])
         summary.update(done=f"{ok} of {len(selected)}", total_seconds=round(time.perf_counter() - t_start, 1))
         dest = write_summary(summary, out_dir, figure_dir)
