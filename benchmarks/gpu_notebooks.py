@@ -23,6 +23,7 @@ On the GPU machine (its own python3, torch and transformers; no registry, no ins
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import importlib.util
 import json
@@ -154,6 +155,7 @@ def build_target(scale: str, bundle: Path | None, folder: Path, seed: int = 0) -
         save_seconds=round(time.perf_counter() - t0 - built, 1),
     )
     del target
+    gc.collect()  # the notebooks' kernels load the folder: this process keeps no copy on the GPU
     if s["device"] == "cuda":
         torch.cuda.empty_cache()
     return info

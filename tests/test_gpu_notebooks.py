@@ -49,7 +49,7 @@ def test_gpu_smoke_keeps_the_qwen3_8b_settings_that_shape_the_gpu_path():
     assert (smoke["parameters"]["device"], smoke["parameters"]["dtype"]) == ("cuda", "bfloat16")
     for nb, keys in {"03": ("chain_depth", "tree_depth", "tree_top_k", "tree_budget"),
                      "04": ("n_steps", "chain_depth"),
-                     "06": ("chain_depth", "tree_depth", "tree_top_k", "tree_budget", "precisions", "temperatures")
+                     "06": ("chain_depth", "tree_depth", "tree_top_k", "tree_budget", "precisions")
                      }.items():  # fmt: skip
         for key in keys:
             assert smoke["overrides"][nb][key] == paper["overrides"][nb][key], (nb, key)
