@@ -18,7 +18,14 @@ mid-run leaves what was measured; a stage that would not finish within ``budget_
 2. ``verification_cost``: c_v(k), one forward of k new tokens on a cache relative to k=1, k up to 64, on the fast
    path (causal and tree-masked; ``decoding.measure_verification``), and the eager c_v(1) beside it;
 3. ``cycle_overhead``: one speculative cycle's work outside the target's verify forward (drafter steps, tree
-   building, acceptance, commit), per cycle, against c_v(1), for a chain and a tree;
+   building, acceptance, commit), per cycle, against c_v(1), for a chain and a tree, drafted on the device (a CUDA
+   graph of the whole draft loop, ``decoding/device_draft.py``) and on the host, with the draft graphs' capture
+   seconds apart;
+3b. ``replayed_acceptance``: speculative decoding at the paper's acceptance (``decoding/replay.py``): the hidden, KV
+   (1, 2, 4 layers) and hybrid drafters at the target's shape draft for real, the target verifies for real, each
+   cycle's accepted length is drawn from the drafter's Table 5 row (trees: stretched to Table 4's MAT) and plain
+   decoding's tokens are committed: tokens/s, speedup over plain decoding, drafting ms per cycle, and each drafter's
+   drafting time against the hidden one's;
 4. ``greedy_equality``: chain and tree speculative decoding on the fast path against plain decoding, with fresh
    hidden, KV and hybrid drafters (random in effect: acceptance means nothing here, exactness and cost do) and the
    target drafting for itself (every draft accepted: multi-token commits), in the target's dtype; and
@@ -28,7 +35,9 @@ mid-run leaves what was measured; a stage that would not finish within ``budget_
    apart from a wrong mask or slot;
 5. ``train_<drafter>``: online training tokens/s of hidden-ttt, kv-ttt and hybrid-ttt (``train_drafter`` with
    ``data_source="online"``, the target in the loop) at the qwen3-8b profile's batch, length and draft vocabulary;
-6. ``extraction``: feature extraction tokens/s (``corpus.extract_features``, bytes per token of the store).
+6. ``extraction``: feature extraction tokens/s (``corpus.extract_features``, bytes per token of the store);
+7. ``compiled_forward`` (a GPU only): plain decoding with the target's norms and MLPs compiled by ``torch.compile``
+   inside its captured graphs (``DecodeConfig.compile_target``), with the compile and capture seconds.
 
 A failing stage is recorded and the others still run (the exit status is 1). Writes
 ``benchmarks/results/gpu_check_<gpu>.json`` and ``.md``; ``--scale tiny`` runs the same code at toy shapes on a CPU
@@ -38,6 +47,7 @@ in seconds (``tests/test_gpu_check.py``). The dry run of ``kvshot run --profile 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import resource
@@ -53,7 +63,17 @@ from pathlib import Path
 import torch
 
 from kvshot_lib import corpus
-from kvshot_lib.decoding import DecodeConfig, autoregressive_generate, generate, measure_verification
+from kvshot_lib.decoding import (
+    DecodeConfig,
+    ReplayedAcceptance,
+    autoregressive_generate,
+    draft_capture_seconds,
+    generate,
+    mat_of,
+    measure_verification,
+    profile_for_mat,
+    speculative_generate,
+)
 from kvshot_lib.drafters import SelfDrafter, build_drafter, drafter_config_for, drafter_for_target
 from kvshot_lib.target import (
     QWEN3_8B_CONFIG,
@@ -78,6 +98,27 @@ TRAINING_ROWS = [(f"train_{p}-ttt", p, {}) for p in PARADIGMS] + [
     ("train_kv-ttt-norecency", "kv", dict(kv_recency=0))
 ]
 QWEN3_VOCAB = QWEN3_8B_CONFIG["vocab_size"]
+PAPER_TABLE5 = REPO_ROOT / "figures" / "onpolicy" / "data" / "paper_table5.csv"
+# replayed acceptance: drafter -> (paradigm, layers, kv_mode, the paper's Table 5 row, Table 4's tree MAT or None)
+REPLAYED = {
+    "hidden": (
+        "hidden",
+        1,
+        "concat",
+        "EAGLE-3, 1 layer (hidden-only)",
+        5.01,
+    ),  # Table 4: EAGLE-3 from the checkpoint
+    "kv-1L": ("kv", 1, "linear_rope", "KV 1L, projection + RoPE", None),
+    "kv-2L": ("kv", 2, "linear_rope", "KV-only 2 layers", None),
+    "kv-4L": ("kv", 4, "linear_rope", "KV-only 4 layers", None),
+    "hybrid": (
+        "hybrid",
+        1,
+        "linear_rope",
+        "hybrid, from the EAGLE-3 checkpoint",
+        5.04,
+    ),  # Table 4: hybrid from it
+}
 
 
 @dataclass(frozen=True)
@@ -92,7 +133,7 @@ class Scale:
     draft_vocab_size: int = 32000
     train_steps: int = 30
     warm_steps: int = 2  # the first steps (allocation, kernel choice) are left out of tokens/s
-    train_seconds: float = 20.0  # a cap per drafter, so the check fits its budget whatever the GPU
+    train_seconds: float = 12.0  # a cap per drafter, so the check fits its budget whatever the GPU
     budget_s: float = (
         330.0  # 6 minutes of an H100 lease, less start-up: a stage that would end later is skipped
     )
@@ -101,18 +142,26 @@ class Scale:
     cv_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
     cv_reps: int = 5
     prompts: int = 3  # MT-bench first turns, for plain decoding and greedy equality
+    equality_prompts: int = 2  # of them, for greedy equality (bf16 and float32)
     decode_tokens: int = 128
     equality_tokens: int = 48
     chain_depth: int = 6
     tree: dict = field(default_factory=lambda: dict(tree_depth=7, tree_top_k=10, tree_budget=60))
+    # replayed acceptance: the paper's chain of 7 steps (TTT's 7) and Table 4's tree (depth 8, top-10, 60 tokens)
+    replay_tokens: int = 64
+    replay_prompts: int = 2
+    replay_chain_depth: int = 7
+    replay_tree: dict = field(default_factory=lambda: dict(tree_depth=8, tree_top_k=10, tree_budget=60))
+    replay_drafters: tuple[str, ...] = tuple(REPLAYED)
+    compile_tokens: int = 64  # plain decoding with the target's norms and MLPs compiled, one prompt
     tie_fraction: float = (
         0.05  # a near-tie: plain decoding's top-2 logit gap under this share of the logits' std
     )
     # seconds each stage needs at this scale (a stage starts only if it can end within budget_s)
     needs: dict = field(
         default_factory=lambda: dict(
-            plain_decoding=40, verification_cost=25, cycle_overhead=25, greedy_equality=35,
-            greedy_equality_fp32=40, train=30, extraction=20,
+            plain_decoding=40, verification_cost=25, cycle_overhead=25, replayed_acceptance=45, greedy_equality=35,
+            compiled_forward=60, greedy_equality_fp32=40, train=25, extraction=20,
         )
     )  # fmt: skip
 
@@ -141,6 +190,11 @@ SCALES = {
         equality_tokens=12,
         chain_depth=3,
         tree=dict(tree_depth=3, tree_top_k=2, tree_budget=6),
+        replay_tokens=12,
+        replay_prompts=1,
+        replay_chain_depth=4,
+        replay_tree=dict(tree_depth=4, tree_top_k=3, tree_budget=10),
+        replay_drafters=("hidden", "kv-2L", "hybrid"),
         needs={},
     ),
 }
@@ -373,32 +427,193 @@ def plain_decoding(target: Target, prompts: list[list[int]], scale: Scale) -> di
 
 def cycle_overhead(target: Target, drafter, prompts: list[list[int]], scale: Scale, cv: dict) -> dict:
     """Per speculative cycle on the fast path: drafting, the verify step (forward and acceptance rule) and the
-    commit, and what is left once the verify forward's own c_v (at the block's padded width) is taken out."""
+    commit, and what is left once the verify forward's own c_v (at the block's padded width) is taken out; for the
+    draft loop on the device (``chain``, ``tree``: a CUDA graph replay on a GPU) and on the host (``*_host``)."""
     step_s = {r["k"]: r["chain_s"] for r in cv["rows"]}
     base = DecodeConfig(
         max_new_tokens=scale.equality_tokens, stop_token_ids=(), chain_depth=scale.chain_depth, **scale.tree
     )
     out = {}
-    for mode in ("chain", "tree"):
-        cfg = replace(base, mode=mode, target_cache="static")
-        for p in prompts:  # warm-up; captures the graphs of each prompt's cache size
-            generate(target, p, replace(cfg, max_new_tokens=8), drafter=drafter)
-        runs = [generate(target, p, cfg, drafter=drafter) for p in prompts]
-        cycles = sum(r.n_cycles for r in runs)
-        forward_s = sum(
-            step_s.get(width_for(n + 1), step_s[max(step_s)]) for r in runs for n in r.drafted_per_cycle
-        )
-        spent = {k: sum(getattr(r, f"{k}_s") for r in runs) for k in ("draft", "verify", "commit")}
-        overhead = sum(spent.values()) - forward_s
-        out[mode] = dict(
-            cycles=cycles,
-            nodes_per_cycle=round(sum(sum(r.drafted_per_cycle) for r in runs) / max(1, cycles), 2),
-            **{f"{k}_ms": round(1e3 * v / max(1, cycles), 3) for k, v in spent.items()},
-            verify_forward_ms=round(1e3 * forward_s / max(1, cycles), 3),
-            overhead_ms=round(1e3 * overhead / max(1, cycles), 3),
-            overhead_over_cv1=round(overhead / max(1, cycles) / step_s[1], 3),
+    for mode, loop in (("chain", "device"), ("tree", "device"), ("chain", "host"), ("tree", "host")):
+        key = mode if loop == "device" else f"{mode}_host"
+        try:
+            out[key] = one_cycle_overhead(
+                target, drafter, prompts, replace(base, mode=mode, draft_loop=loop), step_s
+            )
+        except Exception as e:  # the other rows still run
+            traceback.print_exc()
+            out[key] = dict(error=f"{type(e).__name__}: {e}")
+    out["draft_capture_s"] = round(draft_capture_seconds(drafter), 2)
+    return out
+
+
+def one_cycle_overhead(
+    target: Target, drafter, prompts: list[list[int]], cfg: DecodeConfig, step_s: dict
+) -> dict:
+    """:func:`cycle_overhead`'s row of one mode and draft loop."""
+    cfg = replace(cfg, target_cache="static")
+    for p in prompts:  # warm-up; captures the graphs of each prompt's cache size, and the draft loop's
+        generate(target, p, replace(cfg, max_new_tokens=8), drafter=drafter)
+    runs = [generate(target, p, cfg, drafter=drafter) for p in prompts]
+    cycles = sum(r.n_cycles for r in runs)
+    forward_s = sum(
+        step_s.get(width_for(n + 1), step_s[max(step_s)]) for r in runs for n in r.drafted_per_cycle
+    )
+    spent = {k: sum(getattr(r, f"{k}_s") for r in runs) for k in ("draft", "verify", "commit")}
+    overhead = sum(spent.values()) - forward_s
+    return dict(
+        draft_loop=cfg.draft_loop,
+        cycles=cycles,
+        nodes_per_cycle=round(sum(sum(r.drafted_per_cycle) for r in runs) / max(1, cycles), 2),
+        **{f"{k}_ms": round(1e3 * v / max(1, cycles), 3) for k, v in spent.items()},
+        verify_forward_ms=round(1e3 * forward_s / max(1, cycles), 3),
+        overhead_ms=round(1e3 * overhead / max(1, cycles), 3),
+        overhead_over_cv1=round(overhead / max(1, cycles) / step_s[1], 3),
+    )
+
+
+def paper_profiles(names: tuple[str, ...]) -> dict:
+    """Each replayed drafter's per-step acceptance (the paper's Table 5 row, ``figures/onpolicy/data/paper_table5.csv``),
+    its chain MAT, and its tree MAT: Table 4's where the paper has one, else hidden's scaled by the (MAT - 1) ratio of
+    the two chains (Table 4 reports no KV-only tree)."""
+    with open(PAPER_TABLE5, newline="") as f:
+        table = {r["paper_row"]: r for r in csv.DictReader(f)}
+
+    def alphas(row: str) -> tuple[float, ...]:
+        return tuple(float(table[row][f"alpha_{k}"]) for k in range(7))
+
+    hidden = REPLAYED["hidden"]
+    hidden_chain = mat_of(alphas(hidden[3]), 7)
+    out = {}
+    for name in names:
+        _, _, _, row, tree_mat = REPLAYED[name]
+        chain = mat_of(alphas(row), 7)
+        source = "Table 4"
+        if tree_mat is None:
+            tree_mat = 1 + (hidden[4] - 1) * (chain - 1) / (hidden_chain - 1)
+            source = "scaled from Table 4's hidden tree by Table 5's (MAT - 1) ratio"
+        out[name] = dict(
+            paper_row=row, alphas=alphas(row), chain_mat=chain, tree_mat=tree_mat, tree_mat_source=source
         )
     return out
+
+
+def replay_drafters(target: Target, d2t, scale: Scale, dtype: torch.dtype, seed: int) -> dict:
+    """The replayed drafters at the target's shape (untrained: their cost is what counts), in ``dtype``."""
+    out = {}
+    for name in scale.replay_drafters:
+        paradigm, layers, kv_mode, *_ = REPLAYED[name]
+        cfg = drafter_config_for(target, paradigm, n_layers=layers, kv_mode=kv_mode, draft_vocab_size=len(d2t),
+                                 kv_recency=32, name=name)  # fmt: skip
+        out[name] = drafter_for_target(build_drafter(cfg, target, d2t, seed=seed), target, dtype)
+    return out
+
+
+def replayed_acceptance(target: Target, drafters: dict, prompts: list[list[int]], scale: Scale) -> dict:
+    """Speculative decoding at the paper's acceptance (``decoding/replay.py``): each drafter drafts for real (a chain
+    of ``replay_chain_depth``; Table 4's tree), the target verifies for real, each cycle's accepted length is drawn
+    from the drafter's Table 5 profile (trees: stretched to the tree's MAT) and plain decoding's tokens are
+    committed. Tokens/s over the decode (prefill excluded), against plain decoding on the same fast path."""
+    n = scale.replay_tokens
+    plain_cfg = DecodeConfig(mode="ar", max_new_tokens=n, stop_token_ids=(), target_cache="static")
+    for p in prompts:  # warm-up: every cache size's graph
+        autoregressive_generate(target, p, replace(plain_cfg, max_new_tokens=4))
+    refs = [autoregressive_generate(target, p, plain_cfg) for p in prompts]
+    plain_tps = sum(len(r.token_ids) - 1 for r in refs) / sum(r.total_s - r.prefill_s for r in refs)
+    profiles = paper_profiles(tuple(drafters))
+    base = DecodeConfig(max_new_tokens=n, stop_token_ids=(), chain_depth=scale.replay_chain_depth,
+                        target_cache="static", **scale.replay_tree)  # fmt: skip
+    rows = []
+    for name, drafter in drafters.items():
+        prof = profiles[name]
+        for mode in ("chain", "tree"):
+            if mode == "chain":
+                alphas = prof["alphas"]
+                aim = mat_of(alphas, scale.replay_chain_depth)
+            else:
+                depth = scale.replay_tree["tree_depth"]
+                aim = min(prof["tree_mat"], depth + 1)
+                alphas = profile_for_mat(prof["alphas"], aim, depth)
+            row = dict(drafter=name, mode=mode, paper_row=prof["paper_row"], aimed_mat=round(aim, 3))
+            try:
+                row.update(
+                    replayed_runs(target, drafter, prompts, refs, replace(base, mode=mode), alphas, plain_tps)
+                )
+            except Exception as e:  # the other rows still run
+                traceback.print_exc()
+                row["error"] = f"{type(e).__name__}: {e}"
+            rows.append(row)
+    for row in rows:  # the KV and hybrid drafters' drafting time against the hidden one's, same mode
+        base_row = next((r for r in rows if r["drafter"] == "hidden" and r["mode"] == row["mode"]), {})
+        if "draft_ms" in row and "draft_ms" in base_row:
+            row["draft_vs_hidden"] = round(row["draft_ms"] / base_row["draft_ms"] - 1, 4)
+    return dict(
+        label="replayed acceptance: real drafting and verification, each cycle's accepted length drawn from the "
+        "paper's acceptance (Table 5 per step; Table 4's tree MAT), plain decoding's tokens committed",
+        plain_tokens_per_s=round(plain_tps, 2),
+        tokens=n,
+        prompts=len(prompts),
+        tree_mat_sources={k: v["tree_mat_source"] for k, v in profiles.items()},
+        rows=rows,
+    )
+
+
+def replayed_runs(
+    target: Target, drafter, prompts, refs, cfg: DecodeConfig, alphas, plain_tps: float
+) -> dict:
+    """One drafter and mode of :func:`replayed_acceptance`: a warm-up, then one generation per prompt."""
+    ref = refs[0].token_ids
+    speculative_generate(
+        target,
+        drafter,
+        prompts[0],
+        replace(cfg, max_new_tokens=min(16, len(ref))),
+        replay=ReplayedAcceptance(ref, alphas),
+    )  # fmt: skip  (captures the draft loop's graph)
+    runs = [
+        speculative_generate(target, drafter, p, cfg, replay=ReplayedAcceptance(r.token_ids, alphas, seed=i))
+        for i, (p, r) in enumerate(zip(prompts, refs))
+    ]
+    cycles = sum(r.n_cycles for r in runs)
+    tps = sum(len(r.token_ids) - 1 for r in runs) / sum(r.total_s - r.prefill_s for r in runs)
+    return dict(
+        mat=round(1 + sum(sum(r.accepted_per_cycle) for r in runs) / max(1, cycles), 3),
+        tokens_per_s=round(tps, 2),
+        speedup=round(tps / plain_tps, 3),
+        draft_ms=round(1e3 * sum(r.draft_s for r in runs) / max(1, cycles), 3),
+        verify_ms=round(1e3 * sum(r.verify_s for r in runs) / max(1, cycles), 3),
+        commit_ms=round(1e3 * sum(r.commit_s for r in runs) / max(1, cycles), 3),
+        nodes_per_cycle=round(sum(sum(r.drafted_per_cycle) for r in runs) / max(1, cycles), 2),
+        cycles=cycles,
+        equal_to_plain=sum(r.token_ids == q.token_ids for r, q in zip(runs, refs)),
+        draft_capture_s=round(draft_capture_seconds(drafter), 2),
+    )
+
+
+def compiled_forward(
+    target: Target, prompts: list[list[int]], scale: Scale, uncompiled_tps: float | None
+) -> dict:
+    """Plain decoding on the fast path with the target's norms and MLPs compiled inside its captured graphs
+    (``DecodeConfig.compile_target``): tokens/s, the warm-up's seconds (the compile and the capture), and whether it
+    decodes the uncompiled fast path's tokens."""
+    cfg = DecodeConfig(
+        mode="ar", max_new_tokens=scale.compile_tokens, stop_token_ids=(), target_cache="static"
+    )
+    t0 = time.perf_counter()
+    for p in prompts:  # compiles and captures each cache size's width-1 graph
+        autoregressive_generate(target, p, replace(cfg, max_new_tokens=4, compile_target=True))
+    warm = time.perf_counter() - t0
+    runs = [autoregressive_generate(target, p, replace(cfg, compile_target=True)) for p in prompts]
+    plain = [autoregressive_generate(target, p, cfg).token_ids for p in prompts]
+    tps = sum(len(r.token_ids) - 1 for r in runs) / sum(r.verify_s for r in runs)
+    return dict(
+        tokens_per_s=round(tps, 2),
+        over_uncompiled=round(tps / uncompiled_tps, 3) if uncompiled_tps else None,
+        compile_and_capture_s=round(warm, 2),
+        same_tokens=sum(r.token_ids == q for r, q in zip(runs, plain)),
+        prompts=len(prompts),
+        compiled="every decoder layer's RMSNorms and MLP (torch.compile, fixed shapes), inside the width-1 graph",
+    )
 
 
 def near_ties(target: Target, prompt: list[int], tokens: list[int], tie_fraction: float) -> list[bool]:
@@ -574,9 +789,21 @@ def run_check(bundle: Path | None, scale_name: str, device: str, out_dir: Path, 
             with stage(stages, "cycle_overhead", device, save) as row:
                 hidden = drafter_for_target(drafters["hidden-ttt"], target, dtype)
                 row.update(cycle_overhead(target, hidden, prompts[:2], scale, cv))
+        if due("replayed_acceptance"):
+            with stage(stages, "replayed_acceptance", device, save) as row:
+                replayed = replay_drafters(target, d2t, scale, dtype, seed)
+                row.update(replayed_acceptance(target, replayed, prompts[: scale.replay_prompts], scale))
+                del replayed
         if due("greedy_equality"):
             with stage(stages, "greedy_equality", device, save) as row:
-                row.update(greedy_equality(target, bound(drafters, target, dtype), prompts, scale))
+                equality_prompts = prompts[: scale.equality_prompts]
+                row.update(greedy_equality(target, bound(drafters, target, dtype), equality_prompts, scale))
+        if device.startswith("cuda") and due(
+            "compiled_forward"
+        ):  # a CPU does not compile (no GPU graph to fuse)
+            with stage(stages, "compiled_forward", device, save) as row:
+                uncompiled = stages.get("plain_decoding", {}).get("graphs_tokens_per_s")
+                row.update(compiled_forward(target, prompts[:1], scale, uncompiled))
         # kv-ttt trained 3.5x slower than hidden-ttt on an H100. The suspect: its learned recency bias
         # (TrainConfig.kv_recency, on for kv only) gathers a [heads, T, T] table whose backward scatters ~10^8
         # elements into [heads, W + 1] per layer and TTT step; the last row times kv-ttt without it.
@@ -594,7 +821,10 @@ def run_check(bundle: Path | None, scale_name: str, device: str, out_dir: Path, 
                 if fp32 is None:
                     row["skipped"] = "the GPU's free memory cannot hold a float32 copy of the target"
                 else:
-                    row.update(greedy_equality(fp32, bound(drafters, fp32, torch.float32), prompts, scale))
+                    equality_prompts = prompts[: scale.equality_prompts]
+                    row.update(
+                        greedy_equality(fp32, bound(drafters, fp32, torch.float32), equality_prompts, scale)
+                    )
     result["complete"] = True
     save()
     return result
@@ -639,15 +869,29 @@ def markdown(result: dict) -> str:
             f"{r['k1_ms']:.2f} ms fast path, {r['eager_k1_ms']:.2f} ms eager, on {r['context']} cached tokens"
         ),
     )
-    for mode in ("chain", "tree"):
+    for mode in ("chain", "tree", "chain_host", "tree_host"):
+        loop = "host loop" if mode.endswith("_host") else "device loop"
         row(
             "cycle_overhead",
-            f"one {mode} cycle outside the verify forward",
+            f"one {mode.removesuffix('_host')} cycle outside the verify forward ({loop})",
             lambda r, m=mode: (
-                f"{r[m]['overhead_ms']:.2f} ms ({r[m]['overhead_over_cv1']:.2f} x c_v(1); drafting "
-                f"{r[m]['draft_ms']:.2f} ms, {r[m]['nodes_per_cycle']} nodes)"
+                (
+                    r[m].get("error")
+                    or f"{r[m]['overhead_ms']:.2f} ms ({r[m]['overhead_over_cv1']:.2f} x c_v(1); drafting "
+                    f"{r[m]['draft_ms']:.2f} ms, {r[m]['nodes_per_cycle']} nodes)"
+                )
+                if m in r
+                else "not measured"
             ),
         )
+    row(
+        "compiled_forward",
+        "plain decoding, fast path, norms and MLPs compiled",
+        lambda r: (
+            f"{r['tokens_per_s']} tok/s ({r['over_uncompiled']}x uncompiled; compile and capture "
+            f"{r['compile_and_capture_s']} s; {r['same_tokens']} of {r['prompts']} outputs as uncompiled)"
+        ),
+    )
     for name in ("greedy_equality", "greedy_equality_fp32"):
         row(name, f"greedy equality ({name.removeprefix('greedy_equality').strip('_') or 'target dtype'})",
             lambda r: f"{r['equal']} of {r['of']} equal, {r['equal_until_tie']} up to the first near-tie "
@@ -661,6 +905,7 @@ def markdown(result: dict) -> str:
     row(
         "extraction", "extraction", lambda r: f"{r['tokens_per_s']:,} tok/s, {r['bytes_per_token']:,} B/token"
     )
+    lines += replayed_table(s.get("replayed_acceptance", {}))
     rows = s.get("verification_cost", {}).get("rows", [])
     if rows:
         lines += [
@@ -672,6 +917,30 @@ def markdown(result: dict) -> str:
         ]
         lines += [f"| {r['k']} | {r['chain_rel']:.2f} | {r['tree_rel']:.2f} |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def replayed_table(r: dict) -> list[str]:
+    """The replayed-acceptance stage as a table (none where it did not run)."""
+    if "rows" not in r:
+        return []
+    out = [
+        "",
+        f"Speed at **replayed acceptance** ({r['label']}); plain decoding {r['plain_tokens_per_s']} tok/s on the same "
+        f"fast path, {r['prompts']} prompt(s) x {r['tokens']} tokens:",
+        "",
+        "| drafter | mode | paper row | MAT aimed / drawn | tok/s | speedup | drafting ms / cycle | vs hidden's |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for x in r["rows"]:
+        if "error" in x:
+            out.append(f"| {x['drafter']} | {x['mode']} | {x['paper_row']} | {x['error']} | | | | |")
+            continue
+        vs = f"{100 * x['draft_vs_hidden']:+.1f}%" if "draft_vs_hidden" in x else ""
+        out.append(
+            f"| {x['drafter']} | {x['mode']} | {x['paper_row']} | {x['aimed_mat']} / {x['mat']} | "
+            f"{x['tokens_per_s']} | {x['speedup']}x | {x['draft_ms']:.2f} | {vs} |"
+        )
+    return out
 
 
 def write_results(result: dict, out_dir: Path) -> Path:

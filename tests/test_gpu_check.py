@@ -78,17 +78,19 @@ def test_tiny_check_reports_every_number_positive(result):
     for paradigm in ("hidden", "kv", "hybrid"):
         row = s[f"train_{paradigm}-ttt"]
         assert row["tokens_per_s"] > 0 and row["timed_steps"] >= 1 and row["checkpoint_bytes"] > 0
-    assert r["complete"] and list(s)[:5] == ["build", "plain_decoding", "verification_cost", "cycle_overhead",
-                                             "greedy_equality"]  # most important first  # fmt: skip
+    assert r["complete"] and list(s)[:6] == ["build", "plain_decoding", "verification_cost", "cycle_overhead",
+                                             "replayed_acceptance", "greedy_equality"]  # most important first  # fmt: skip
     plain = s["plain_decoding"]
     assert plain["tokens_per_s"] > 0 and plain["graphs_tokens_per_s"] > 0
     assert plain["same_tokens"] == plain["prompts"]  # float32: the fast path decodes plain decoding's tokens
     assert s["verification_cost"]["eager_k1_ms"] > 0
-    for mode in ("chain", "tree"):
+    for mode in ("chain", "tree", "chain_host", "tree_host"):  # the draft loop on the device and on the host
         cyc = s["cycle_overhead"][mode]
         assert cyc["cycles"] > 0 and cyc["draft_ms"] > 0
+        assert cyc["draft_loop"] == ("host" if mode.endswith("_host") else "device")
         # the verify step holds the forward: its measured c_v is a part of it, at most (noise aside) all of it
         assert 0 < cyc["verify_forward_ms"] < 2 * cyc["verify_ms"]
+    assert s["cycle_overhead"]["draft_capture_s"] == 0  # a CPU runs the draft loop eagerly: nothing captured
     for name, row in s.items():
         assert row["seconds"] > 0 and row["peak_memory_gib"] > 0, name
     cost = s["verification_cost"]["rows"]
@@ -97,6 +99,29 @@ def test_tiny_check_reports_every_number_positive(result):
     assert "151,936" in r["target"]["vocabulary_note"]  # says the vocabulary is not Qwen3's
     assert dest.name == f"gpu_check_{r['machine']['name']}_tiny.json"
     assert "| plain decoding, fast path |" in dest.with_suffix(".md").read_text()
+
+
+def test_tiny_check_times_every_drafter_at_replayed_acceptance(result):
+    """Each drafter, chain and tree, at the paper's acceptance: real drafting and verification, plain decoding's
+    tokens committed (so every output equals it), the drawn MAT near the aimed one, every time positive."""
+    r, dest = result
+    rep = r["stages"]["replayed_acceptance"]
+    scale = gpu_check.SCALES["tiny"]
+    assert "replayed acceptance" in rep["label"] and rep["plain_tokens_per_s"] > 0
+    rows = rep["rows"]
+    assert [(x["drafter"], x["mode"]) for x in rows] == [
+        (d, m) for d in scale.replay_drafters for m in ("chain", "tree")
+    ]
+    for x in rows:
+        assert "error" not in x, x
+        assert x["equal_to_plain"] == rep["prompts"] == scale.replay_prompts
+        assert x["tokens_per_s"] > 0 and x["speedup"] > 0 and x["draft_ms"] > 0 and x["cycles"] > 0
+        depth = scale.replay_chain_depth if x["mode"] == "chain" else scale.replay_tree["tree_depth"]
+        assert 1 <= x["mat"] <= depth + 1 and 1 < x["aimed_mat"] <= depth + 1
+    hidden = {x["mode"]: x["draft_ms"] for x in rows if x["drafter"] == "hidden"}
+    for x in rows:  # the drafting time against the hidden drafter's, in the same mode
+        assert abs(x["draft_vs_hidden"] - (x["draft_ms"] / hidden[x["mode"]] - 1)) < 1e-3
+    assert "| hybrid | tree |" in dest.with_suffix(".md").read_text()
 
 
 def test_tiny_check_chain_and_tree_equal_plain_decoding(result):
@@ -116,8 +141,8 @@ def test_the_float32_pass_casts_the_target_in_place(tokenizer):
 
 
 def test_a_check_killed_after_a_stage_leaves_that_stage(bundle, tmp_path):
-    """The result is written after every stage: kill the tiny check once plain decoding is reported, and the JSON
-    on disk holds plain decoding's numbers and says the run is incomplete."""
+    """The result is written after every stage: kill the tiny check once replayed acceptance is reported, and the
+    JSON on disk holds its numbers and plain decoding's, and says the run is incomplete."""
     cmd = [sys.executable, "benchmarks/gpu_check.py", "--scale", "tiny", "--bundle", str(bundle)]
     cmd += ["--out-dir", str(tmp_path), "--threads", "1"]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
@@ -126,7 +151,7 @@ def test_a_check_killed_after_a_stage_leaves_that_stage(bundle, tmp_path):
     )
     try:
         for line in proc.stdout:
-            if line.startswith("[gpu-check] plain_decoding: {"):
+            if line.startswith("[gpu-check] replayed_acceptance: {"):
                 proc.kill()
                 break
     finally:
@@ -135,5 +160,6 @@ def test_a_check_killed_after_a_stage_leaves_that_stage(bundle, tmp_path):
     (dest,) = tmp_path.glob("gpu_check_*_tiny.json")
     r = json.loads(dest.read_text())
     assert r["complete"] is False and r["stages"]["plain_decoding"]["graphs_tokens_per_s"] > 0
+    assert all(x["tokens_per_s"] > 0 for x in r["stages"]["replayed_acceptance"]["rows"])
     assert "greedy_equality" not in r["stages"]
     assert "incomplete" in dest.with_suffix(".md").read_text()

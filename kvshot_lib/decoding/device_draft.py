@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..drafters.base import DraftSession, TargetView
+from ..drafters.static_steps import DraftBuffers
 from ..target.graphs import CapturedCall
 from .tree import DraftTree
 
@@ -114,8 +115,10 @@ def run_loop(session: DraftSession, steps, key: tuple, loop):
 def draft_capture_seconds(drafter) -> float:
     """Seconds spent capturing the draft loops of ``drafter`` (or of a session's) over its kept buffers so far (0 on
     a CPU, or for a drafter without fixed-shape steps)."""
-    buffers = getattr(drafter, "buffers", None) or getattr(drafter, "draft_buffers", None)
-    every = buffers.steps.values() if buffers is not None else ()
+    buffers = getattr(drafter, "draft_buffers", None)  # a drafter's (an nn.Module's .buffers is a method)
+    if buffers is None:
+        buffers = getattr(drafter, "buffers", None)  # a session's
+    every = buffers.steps.values() if isinstance(buffers, DraftBuffers) else ()
     return sum(call.seconds for steps in every for _, call in _GRAPHS.get(steps, {}).values())
 
 
