@@ -258,7 +258,10 @@ def write_summary(summary: dict, out_dir: Path, figure_dir: Path) -> Path:
     return dest
 
 
-def run(scale: str, bundle: Path | None, target: str | None, out_dir: Path, site: Path, only=None) -> dict:
+def run(
+    scale: str, bundle: Path | None, target: str | None, out_dir: Path, site: Path, only=None, extra=None
+) -> dict:
+    """Prepare, build, run the notebooks, summarize (the module doc); ``extra``: parameters set beyond the scale's."""
     t_start = time.perf_counter()
     installed = prepare_environment(bundle, site)
     from kvshot_lib import runner
@@ -266,7 +269,7 @@ def run(scale: str, bundle: Path | None, target: str | None, out_dir: Path, site
     name = run_name(scale)
     summary = dict(
         check="gpu_notebooks", profile=PROFILE, scale=scale, run=name, machine=machine(), wheels_installed=installed,
-        bundle=bundle_manifest(bundle), target={}, notebooks=[], tables={}, done="",
+        bundle=bundle_manifest(bundle), sets=extra or {}, target={}, notebooks=[], tables={}, done="",
         total_seconds=0.0,
     )  # fmt: skip
     if target is None:
@@ -277,7 +280,7 @@ def run(scale: str, bundle: Path | None, target: str | None, out_dir: Path, site
         target = str(folder)
     else:
         summary["target"] = dict(source=f"the folder {target}", folder=target)
-    sets = {**SCALES[scale]["sets"], "target": str(Path(target).resolve())}
+    sets = {**SCALES[scale]["sets"], **(extra or {}), "target": str(Path(target).resolve())}
     run_dir, figure_dir = REPO / "runs" / name, REPO / "figures" / name
     if not only:  # a whole run starts clean; --only reruns notebooks on the outputs of the ones before them
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -289,9 +292,7 @@ def run(scale: str, bundle: Path | None, target: str | None, out_dir: Path, site
         summary["notebooks"].append(row)
         try:
             declared = runner.notebook_parameters(runner.list_notebooks()[number])
-            mine = {
-                k: v for k, v in sets.items() if k in declared
-            }  # a --set must be one this notebook declares
+            mine = {k: v for k, v in sets.items() if k in declared}  # what this notebook declares
             [record] = runner.run_profile(PROFILE, only=[number], sets=mine, root=REPO, run_name=name)
             row.update(status="ok", file=record["notebook"])
         except Exception as e:  # the next notebook still runs; the error is in the summary
@@ -327,14 +328,21 @@ def main(argv: list[str] | None = None) -> dict:
         "--site", type=Path, default=Path("/tmp/kvshot-site"), help="where missing wheels install"
     )
     ap.add_argument("--only", default=None, help="comma-separated notebook numbers (default: all)")
+    ap.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="a parameter"
+    )
     args = ap.parse_args(argv)
     out = args.out_dir or (
         Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "runs" / run_name(args.scale) / "summary"
     )
     only = [s.zfill(2) for s in args.only.split(",")] if args.only else None
-    summary = run(
-        args.scale, args.bundle.resolve() if args.bundle else None, args.target, out, args.site, only
-    )
+    bundle = args.bundle.resolve() if args.bundle else None
+    from kvshot_lib.runner import (
+        parse_sets,
+    )  # torch, transformers and PyYAML: on the GPU machine before any install
+
+    extra = parse_sets(args.sets)
+    summary = run(args.scale, bundle, args.target, out, args.site, only, extra)
     print(markdown(summary))
     return summary
 
