@@ -10,6 +10,7 @@ import torch
 from kvshot_lib.drafters import (
     DrafterConfigError,
     DrafterTargetMismatch,
+    Segment,
     SessionFactory,
     build_drafter,
     coverage,
@@ -17,6 +18,7 @@ from kvshot_lib.drafters import (
     drafter_config_for,
     load_drafter,
     save_drafter,
+    segmented_attention,
     target_to_draft,
     vocab_hash,
 )
@@ -228,3 +230,38 @@ def test_recency_bias_gathers_and_backpropagates_as_indexing_does():
     mine = table.clone().requires_grad_()
     BucketGather.apply(mine, torch.zeros(3, 4, dtype=torch.long)).sum().backward()
     assert mine.grad[:, 1:].abs().sum() == 0 and torch.all(mine.grad[:, 0] == 12)
+
+
+@pytest.mark.parametrize("S,window", [(40, 8), (5, 8), (0, 8), (12, 0)])
+def test_the_band_bias_attends_and_backpropagates_as_the_dense_bias(S, window):
+    """The recency bias kept as its table (a constant past the window and a band of ``window`` diagonals,
+    ``attention.BandBias``) against the dense ``[h, n, S]`` gather, inside the shared softmax over the target's KV
+    (causal: key j visible to a query at position p iff j < p) and a diagonal own segment: same outputs, same
+    gradients of the queries, keys, values and the table; keys nearer and farther than the window, and S <= window."""
+    from kvshot_lib.drafters import kv
+
+    g = torch.Generator().manual_seed(1)
+    B, kvh, grp, n, D = 2, 2, 3, 6, 8
+    q_pos = torch.tensor([3, 4, 9, 20, 30, 41])  # [n]
+    dist = q_pos[:, None] - torch.arange(S)[None]  # [n, S]
+    visible = dist >= 1  # [n, S]
+    bias = kv.RecencyBias(kvh * grp, window)
+    with torch.no_grad():
+        bias.table.add_(torch.randn(bias.table.shape, generator=g))
+    leaves = [
+        torch.randn(shape, generator=g) for shape in [(B, kvh * grp, n, D), (B, kvh, S, D), (B, kvh, S, D)]
+    ]
+    own = [torch.randn(B, kvh, n, D, generator=g) for _ in range(2)]
+    results = []
+    for band in (False, True):
+        q, k, v = (x.clone().requires_grad_() for x in leaves)
+        bias.table.grad = None
+        seg = Segment(k, v, "dense", visible)
+        seg.bias = bias.band(dist) if band else bias(dist)
+        out = segmented_attention(q, [seg, Segment(*own, "diag")])
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in (q, k, v, bias.table)]
+        results.append([out.detach(), *(x.clone() for x in grads)])
+    for dense, band in zip(*results):
+        torch.testing.assert_close(band, dense, atol=1e-5, rtol=1e-5)
+    assert results[1][4].abs().sum() > 0 or S == 0  # the table learns through the band

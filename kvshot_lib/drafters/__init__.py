@@ -17,7 +17,7 @@
 It hands drafter modules to training and drafter sessions (``start_cycle`` / ``expand``) to decoding.
 """
 
-from .attention import Segment, apply_rope, segmented_attention
+from .attention import BandBias, Segment, apply_rope, segmented_attention
 from .base import DraftSession, SessionFactory, TargetView
 from .baselines import (
     BASELINES,
@@ -63,6 +63,7 @@ __all__ = [
     "REGIMES",
     "RandomDrafter",
     "RecencyBias",
+    "BandBias",
     "Segment",
     "SelfDrafter",
     "SessionFactory",

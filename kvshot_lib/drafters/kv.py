@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..target import Target
-from .attention import MLP, Attention, RMSNorm, apply_rope, segmented_attention, undo_rope
+from .attention import MLP, Attention, BandBias, RMSNorm, apply_rope, segmented_attention, undo_rope
 from .config import DrafterConfig
 from .trainable import TrainableDrafter
 
@@ -98,7 +98,16 @@ class RecencyBias(nn.Module):
         self.table = nn.Parameter(-slopes[:, None] * dist[None])  # [h, W+1]
 
     def forward(self, dist: Tensor) -> Tensor:  # [n, S] long -> [h, n, S]
+        """The dense bias ``[h, n, S]`` of the distances ``dist`` (the reference :meth:`band` is held to)."""
         return BucketGather.apply(self.table, (dist - 1).clamp(0, self.window))
+
+    def band(self, dist: Tensor) -> BandBias:
+        """The same bias as :meth:`forward` for every segment's ``dist`` (query position minus key index, so column
+        0 holds the queries' positions), kept as its table: what the layers add to their scores."""
+        q_pos = (
+            dist[:, 0] if dist.shape[1] else dist.new_zeros(dist.shape[0])
+        )  # [n] (no keys: nothing to bias)
+        return BandBias(self.table, q_pos)
 
 
 class KVLayer(nn.Module):
@@ -120,7 +129,9 @@ class KVLayer(nn.Module):
         k, v = self.self_attn.key_value(a, cos, sin)  # [B, n_inj, n, D]
         segments = ctx.self_segments(li, k, v)  # the target's KV first, then the drafter's own
         if self.recency is not None:
-            segments[0].bias = self.recency(segments[0].dist)  # [h, n, S]
+            segments[0].bias = self.recency.band(
+                segments[0].dist
+            )  # a constant and a band: attention.BandBias
         if self.separate and segments[0].k.shape[2]:  # a softmax over the target's KV, another over its own
             o = segmented_attention(q, segments[:1], ctx.recorder) + segmented_attention(
                 q, segments[1:], ctx.recorder
