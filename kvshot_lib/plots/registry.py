@@ -24,9 +24,7 @@ class FigureSpec:
     counts: Callable[[dict], str] = lambda t: ""  # tables -> "what each point averages"
     optional: tuple[str, ...] = ()  # tables read (and kept beside the figure) where they are present
     command: str = ""  # what writes the tables where no notebook does (a step of the reference run)
-    only_with: str = (
-        ""  # a table whose absence means the folder has no such figure (the paper's, beside a run's)
-    )
+    only_with: str = ""  # a table without which a folder has no such figure (the paper's Table 5)
 
     @property
     def writer(self) -> str:
