@@ -9,8 +9,7 @@ import pandas as pd
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from kvshot_lib.plots import acceptance, series  # noqa: E402
-from kvshot_lib.plots.style import drafter_color  # noqa: E402
+from kvshot_lib.plots import acceptance, drafter_color, series  # noqa: E402
 
 RUN = pd.DataFrame(  # a run's drafters in the order its evaluation wrote them
     [
@@ -172,7 +171,7 @@ def test_on_the_committed_chains_the_band_is_nearly_as_wide_as_the_turn_bootstra
     """The band treats the steps as independent; turns make them correlate. Measured where the committed tables
     allow: the chain MAT interval that the per-step intervals imply (MAT - 1 = sum of the reach probabilities,
     their log-scale covariances summed over shared steps) against the bootstrap's own MAT interval over turns."""
-    from kvshot_lib.target.assets import REPO_ROOT
+    from kvshot_lib.target import REPO_ROOT
 
     data = REPO_ROOT / "figures" / "onpolicy" / "data"
     table, boot = pd.read_csv(data / "acceptance_by_step.csv"), pd.read_csv(data / "acceptance_bootstrap.csv")

@@ -19,9 +19,8 @@ import pytest
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from kvshot_lib.plots import FIGURES, load_tables, paper_style  # noqa: E402
-from kvshot_lib.plots.series import drafter_order  # noqa: E402
-from kvshot_lib.target.assets import REPO_ROOT  # noqa: E402
+from kvshot_lib.plots import FIGURES, load_tables, paper_style, series  # noqa: E402
+from kvshot_lib.target import REPO_ROOT  # noqa: E402
 
 MAX_SERIES = 8  # the number (kvshot_lib.plots.series.MAX_SERIES is what the figures keep)
 RUN = [  # (drafter, paradigm): the order a run's evaluation might write them in
@@ -114,7 +113,8 @@ def test_every_figure_keeps_the_series_rule(name):
         }
         assert not crowded, f"{name}: more than {MAX_SERIES} series on an axis: {crowded}"
         order = {
-            n: i for i, n in enumerate(drafter_order(pd.DataFrame(RUN, columns=["drafter", "paradigm"])))
+            n: i
+            for i, n in enumerate(series.drafter_order(pd.DataFrame(RUN, columns=["drafter", "paradigm"])))
         }
         for named in _legend_drafters(fig):
             ranks = [order[n] for n in named]
