@@ -105,6 +105,7 @@ def test_a_budget_past_every_candidate_keeps_them_all():
 def views(target, ids: torch.Tensor, cuts: list[int], layers):
     """The engine's view at each cut P: the cache of positions 0..P-1 and the hidden states since the last cut."""
     out, last = [], 0
+    ids = ids.to(target.model.device)
     for P in cuts:
         cache = seam.new_cache(target.model)
         res = seam.forward(target.model, ids[None, :P], cache, hidden_states=True)

@@ -176,3 +176,20 @@ def test_crop_and_load_follow_the_dynamic_cache():
     assert torch.equal(seam.layer_kv(cache, 1)[0].cpu(), (k + 1))
     with pytest.raises(ValueError, match="slots"):
         small_cache(max_len=4).load(dyn)
+
+
+def test_compiled_layers_compiles_the_norms_and_mlps_and_undoes_it(tiny_qwen3):
+    """``DecodeConfig.compile_target``'s context: inside it every decoder layer's RMSNorms (Qwen3's q/k norms too)
+    and MLP run compiled; after it (an error included) none does, and the weights' names are untouched."""
+    from kvshot_lib.target import graphs
+
+    model = tiny_qwen3.model
+    names = list(model.state_dict())
+    mods = graphs.fused_modules(model)
+    n_layers = model.config.num_hidden_layers
+    assert len(mods) == n_layers * 5  # input, post-attention, q and k norms, and the MLP
+    with pytest.raises(RuntimeError, match="inside"):
+        with graphs.compiled_layers(model):
+            assert all(m._compiled_call_impl is not None for m in mods)
+            raise RuntimeError("inside")
+    assert all(m._compiled_call_impl is None for m in mods) and list(model.state_dict()) == names

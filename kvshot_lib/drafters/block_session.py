@@ -34,6 +34,8 @@ class BlockDraftSession:
         self.hidden_layers: tuple[int, ...] = tuple(d.hidden_layers)
         self.K, L = cfg.block_size, cfg.n_layers
         dev, dt = d.head.device, d.head.dtype
+        if dev.type == "cuda":  # room for a long generation without growing (kept for the next session)
+            capacity = max(capacity, 4096)
         kvh, D = d.layers[0].self_attn.n_kv_heads, d.layers[0].self_attn.head_dim
         self.buffers = borrow(
             d,

@@ -36,6 +36,9 @@ class TrainedDraftSession:
         self.hidden_layers: tuple[int, ...] = tuple(d.hidden_layers)
         self.kv_only = cfg.paradigm == "kv"
         dev, dt = d.head.device, d.head.dtype
+        # on a GPU, room for a long generation: a grown buffer moves, and the graphs over it are stale
+        if dev.type == "cuda":
+            capacity = max(capacity, 4096)
         kvh, D = (
             (cfg.n_injected_heads, cfg.target_head_dim) if self.kv_only else (cfg.n_kv_heads, cfg.head_dim)
         )
