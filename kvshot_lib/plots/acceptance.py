@@ -231,7 +231,8 @@ def plot_paper_table5(per_step: pd.DataFrame, paper: pd.DataFrame):
         if "n" in d:
             lo, hi = wilson_interval(acc, d["n"])
             axes[0][0].fill_between(d["draft_step"], lo, hi, color=color, alpha=0.15, lw=0)
-        axes[0][1].plot(d["draft_step"], acc / acc[0], color=color, marker="o", ms=3)
+        with np.errstate(invalid="ignore", divide="ignore"):  # a smoke run's drafter may get nothing right
+            axes[0][1].plot(d["draft_step"], acc / acc[0], color=color, marker="o", ms=3)
         row = PAPER_ROWS.get(keys[name])
         if row in rows.index:
             steps = [k for k in range(7) if f"alpha_{k}" in rows]
