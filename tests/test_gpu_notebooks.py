@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import zipfile
 
 import pandas as pd
@@ -180,6 +181,9 @@ def test_make_gpu_notebooks_tiny_runs_every_notebook_from_a_bundle(tmp_path):
     for nb in summary["notebooks"]:
         assert nb["tables"] and nb["figures"], f"notebook {nb['notebook']} wrote no table or drew no figure"
     for name, table in summary["tables"].items():
+        if "same_as" in table:
+            assert table["same_as"] in summary["tables"]
+            continue
         assert "error" not in table and table["n_rows"] > 0, (name, table.get("error"))
         assert not any(c["inf"] for c in table["nonfinite"].values()), (name, table["nonfinite"])
     assert len(list(out.iterdir())) <= 7
@@ -223,3 +227,17 @@ def test_a_short_online_run_finishes_into_a_folder_that_does_not_exist_yet(tmp_p
     )
     assert (out / "history.csv").is_file() and (out / "config.json").is_file()
     assert len(run.logs["history"]) == 2
+
+
+def test_a_table_saved_twice_is_read_once_and_an_older_one_not_at_all(tmp_path):
+    data, results = tmp_path / "data", tmp_path / "results"
+    data.mkdir(), results.mkdir()
+    (results / "old.csv").write_text("a\n1\n")
+    os.utime(results / "old.csv", (1.0e9, 1.0e9))  # written before the notebook started
+    for folder in (data, results):
+        (folder / "speedup.csv").write_text("method,ratio\nchain,1.25\ntree,0.5\n")
+    tables = gpu_notebooks.read_tables([data, results], since=time.time() - 60)
+    assert sorted(tables) == [str(data / "speedup.csv"), str(results / "speedup.csv")]
+    assert tables[str(results / "speedup.csv")] == {"same_as": str(data / "speedup.csv")}
+    first = tables[str(data / "speedup.csv")]
+    assert (first["n_rows"], first["ranges"], first["nonfinite"]) == (2, {"ratio": [0.5, 1.25]}, {})
