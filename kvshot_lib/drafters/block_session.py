@@ -77,7 +77,7 @@ class BlockDraftSession:
             self._ingest_hidden(view.hidden, P)
         positions = torch.arange(P, P + self.K + 1, device=d.head.device)  # [K+1]
         x = d.block_inputs(committed[:, P : P + 1])  # [1, K+1, H]
-        cos, sin = d.rope(positions)
+        cos, sin = d.rope(positions, bound=P + self.K + 1)  # positions P..P+K: no read back
         h = d.run_layers(x, x, cos, sin, self)  # [1, K+1, H]
         self.rows = d.logits(h[0, 1:])  # [K, V_draft]
         self.depths = []
@@ -119,7 +119,7 @@ class BlockDraftSession:
         if a == P:
             return
         fused = d.fuse(feats.to(d.head.dtype))[None]  # [1, n_new, H]
-        cos, sin = d.rope(torch.arange(a, P, device=fused.device))
+        cos, sin = d.rope(torch.arange(a, P, device=fused.device), bound=P)
         for li, layer in enumerate(d.layers):
             k, v = layer.self_attn.key_value(fused, cos, sin)  # [1, kvH, n_new, D]
             self.own.write(li, a, P, k, v)

@@ -128,7 +128,7 @@ class TrainedDraftSession:
                 if n_new > 1 and self.tgt is not None
                 else None
             )
-            cos, sin = d.rope(positions)
+            cos, sin = d.rope(positions, bound=P + 1)  # positions r0+1..P: no read back
             self._q_pos = positions
             h = d.run_layers(x, emb, cos, sin, self)  # [1, n_new, H]
             self.n_own = P
@@ -136,7 +136,7 @@ class TrainedDraftSession:
             self._rows, self._own_mask, self.n_own = (0, 1), None, 0
             emb = d.embed(committed[:, P : P + 1])  # [1, 1, H]
             self._q_pos = torch.tensor([P], device=self.anc.device)
-            cos, sin = d.rope(self._q_pos)
+            cos, sin = d.rope(self._q_pos, bound=P + 1)
             h = d.run_layers(emb, emb, cos, sin, self)
             self.n_own = 1
         self.root_out = h[0, -1]  # [H]

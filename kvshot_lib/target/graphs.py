@@ -23,7 +23,7 @@ The drafter's side is captured here too: :class:`CapturedCall` records any funct
 :mod:`kvshot_lib.decoding.device_draft` records with it a whole draft loop (a chain's K steps with their argmax, or
 the fixed-width beam tree with its top-k, selection and tree mask) over a draft session's fixed-shape steps
 (:mod:`kvshot_lib.drafters.static_steps`), as SGLang's ``eagle_draft_cuda_graph_runner.py`` does; its capture
-seconds are kept apart (:func:`capture_seconds` counts them with the target's when given the session's loops).
+seconds are kept apart from the target's (:func:`kvshot_lib.decoding.device_draft.draft_capture_seconds`).
 """
 
 from __future__ import annotations
