@@ -181,14 +181,12 @@ def test_the_self_drafter_falls_back_to_the_host_loop(llama):
 
 @pytest.mark.parametrize("name", ["hidden", "kv-recency", "hybrid", "block-kv"])
 def test_nothing_in_the_draft_loop_reads_the_device(llama, monkeypatch, name):
+    """Neither the cycle's start (ingesting the new context, the root's logits, copying them into the steps) nor
+    the loops read a value back: the cycle's one host read is the result's."""
     d = make_drafter(llama, name)
     ids = torch.tensor(random_prompts(1, 9)[0] + random_prompts(1, 10)[0])[:20]
     ((committed, view),) = views(llama, ids, [12], d.hidden_layers)
     session = d.new_session()
-    logits = session.start_cycle(committed, view)
-    chain_steps, tree_steps = session.static_steps(1, 4), session.static_steps(3, 4)
-    chain_steps.begin(session, logits)
-    tree_steps.begin(session, logits)
     reads = []
     for method in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
         real = getattr(torch.Tensor, method)
@@ -198,6 +196,10 @@ def test_nothing_in_the_draft_loop_reads_the_device(llama, monkeypatch, name):
             return _real(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, method, counted)
+    logits = session.start_cycle(committed, view)
+    chain_steps, tree_steps = session.static_steps(1, 4), session.static_steps(3, 4)
+    chain_steps.begin(session, logits)
+    tree_steps.begin(session, logits)
     chain_loop(chain_steps, min(4, chain_steps.max_levels), session.d2t)
     beam_loop(tree_steps, min(4, tree_steps.max_levels), 3, 10, session.d2t)
     monkeypatch.undo()

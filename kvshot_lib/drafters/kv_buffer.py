@@ -77,6 +77,6 @@ class TargetKV(LayerKV):
         values = torch.cat([cache.layers[layer].values[:, :, a:P] for layer in layers], dim=1)
         keys = keys.transpose(1, 2).to(d.head.dtype)  # [1, n, nI, D], the feature-store layout
         values = values.transpose(1, 2).to(d.head.dtype)
-        for li, (k, v) in d.inject(keys, values, torch.arange(a, P, device=keys.device)).items():
+        for li, (k, v) in d.inject(keys, values, torch.arange(a, P, device=keys.device), bound=P).items():
             self.write(li, a, P, k, v)
         self.n = P

@@ -120,16 +120,19 @@ class TrainableDrafter(nn.Module):
     def fuse(self, hidden: Tensor) -> Tensor:  # [B, n, n_layers * H] -> [B, n, H]
         raise NotImplementedError
 
-    def inject(self, keys: Tensor, values: Tensor, positions: Tensor) -> dict[int, tuple[Tensor, Tensor]]:
+    def inject(
+        self, keys: Tensor, values: Tensor, positions: Tensor, bound: int | None = None
+    ) -> dict[int, tuple[Tensor, Tensor]]:
         """Per drafter layer, the target KV as that layer reads it: ``{layer: (K, V)}``, ``[B, kvH, n, D]``.
 
-        ``keys``/``values`` are ``[B, n, heads, D]`` at ``positions [n]``. Training and decoding both come
-        through here, so the ``target_kv="zeroed"`` control sees zeros everywhere."""
+        ``keys``/``values`` are ``[B, n, heads, D]`` at ``positions [n]`` (``bound``: a host-known bound on them, as
+        :meth:`rope` takes). Training and decoding both come through here, so the ``target_kv="zeroed"`` control
+        sees zeros everywhere."""
         if not self.cfg.uses_target_kv:
             return {}
         if self.cfg.target_kv == "zeroed":
             keys, values = torch.zeros_like(keys), torch.zeros_like(values)
-        cos, sin = self.rope(positions)
+        cos, sin = self.rope(positions, bound)
         return {li: layer.inject(keys, values, cos, sin) for li, layer in enumerate(self.layers)}
 
     def run_layers(self, x: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, ctx) -> Tensor:
