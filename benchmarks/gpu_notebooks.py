@@ -162,7 +162,7 @@ def build_target(scale: str, bundle: Path | None, folder: Path, seed: int = 0) -
     return info
 
 
-def _finite_rows(frame) -> tuple[list[dict], dict]:
+def table_rows(frame) -> tuple[list[dict], dict]:
     """A table's first rows as records (floats rounded, empty cells None) and, per numeric column that has any, how
     many cells are NaN (an empty cell: e.g. a spread over one seed) or infinite."""
     numeric = frame.select_dtypes("number").astype(float)
@@ -210,7 +210,7 @@ def read_tables(folders: list[Path], since: float) -> dict:
             except (ValueError, pd.errors.EmptyDataError) as e:
                 tables[name] = dict(error=f"{type(e).__name__}: {e}")
                 continue
-            rows, nonfinite = _finite_rows(frame)
+            rows, nonfinite = table_rows(frame)
             tables[name] = dict(
                 n_rows=len(frame), columns=list(frame.columns), nonfinite=nonfinite, ranges=column_ranges(frame),
                 rows=rows,

@@ -129,7 +129,7 @@ def test_the_summary_counts_empty_and_infinite_cells_per_column():
     frame = pd.DataFrame(
         {"a": [1.0, math.nan, math.inf, -math.inf], "b": [1, 2, 3, 4], "c": ["x", None, "y", "z"]}
     )
-    rows, nonfinite = gpu_notebooks._finite_rows(frame)
+    rows, nonfinite = gpu_notebooks.table_rows(frame)
     assert nonfinite == {"a": {"nan": 1, "inf": 2}}
     assert rows[1] == {"a": None, "b": 2, "c": None}
 
@@ -190,12 +190,18 @@ def test_make_gpu_notebooks_tiny_runs_every_notebook_from_a_bundle(tmp_path):
 
 
 def test_make_gpu_bundle_carries_enough_records_for_the_notebooks_splits(tmp_path):
-    from kvshot_lib.corpus.sharegpt import DEFAULT_EVAL_SIZE
+    from kvshot_lib.corpus import split_indices
 
     makefile = (REPO_ROOT / "Makefile").read_text()
     assert f"--write-bundle $(GPU_BUNDLE) --conversations {gpu_notebooks.BUNDLE_CONVERSATIONS}" in makefile
     stats = _profile("gpu-smoke")["overrides"]["00"]["n_stats_conversations"]
-    assert gpu_notebooks.BUNDLE_CONVERSATIONS >= DEFAULT_EVAL_SIZE + 2 * stats  # the train split, with slack
+    train = split_indices(
+        gpu_notebooks.BUNDLE_CONVERSATIONS, "train", seed=0
+    )  # what the held-out split leaves
+    assert len(train) >= 2 * stats  # notebook 00's sample, with slack for conversations it skips
+    assert (
+        len(split_indices(400, "train", seed=0)) == 0
+    )  # gpu_check's own default bundle: an empty train split
     (tmp_path / "bundle.json").write_text(json.dumps({"sharegpt_records": 400}))  # gpu_check's own default
     with pytest.raises(SystemExit, match="holds 400 ShareGPT records"):
         gpu_notebooks.check_bundle(tmp_path)
