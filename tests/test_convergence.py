@@ -6,8 +6,13 @@ import math
 import pandas as pd
 import pytest
 
-from kvshot_lib.training import TrainConfig, TrainConfigError, annealed_plateau, convergence_table
-from kvshot_lib.training.convergence import converged_budget
+from kvshot_lib.training import (
+    TrainConfig,
+    TrainConfigError,
+    annealed_plateau,
+    converged_budget,
+    convergence_table,
+)
 
 
 def point(tokens, acc, ce, n=10_000, ce_sd=2.0, budget_step=None):

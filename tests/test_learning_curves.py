@@ -270,7 +270,7 @@ def test_the_convergence_rule_ends_the_stable_phase_at_an_annealed_branch(tiny_l
     """With a threshold no gain can pass, the rule fires at the first branch that has a point a doubling back;
     the run then ends after that budget's WSD decay. A run continued from it starts its curve at
     ``tokens_before`` with the starting drafter's own evaluation."""
-    from kvshot_lib.training.convergence import converged_budget
+    from kvshot_lib.training import converged_budget
 
     c = cfg(train_steps=80, curve_points=3, converge_z=1e9)  # budgets 20, 40, 80
     run = train_drafter(tiny_llama, *stores, c, tmp_path / "a", progress=False)

@@ -8,6 +8,7 @@
 * hidden-vs-KV information probes (notebook 01), equal-size probes reading the hidden state or the KV cache
   at ``t`` out through the frozen LM head, for the target's token at ``t+1+k``: ``probe_data`` (what the
   target holds), ``info_probes`` (the kinds, matched in size), ``probe_training`` and ``probe_stats``;
+* ``mtbench_gap``: why MT-bench acceptance sits below held-out accuracy (answer position, prompts, cycle starts);
 * ``explorers``: interactive explorers (ipywidgets) for attention and acceptance.
 
 It reads drafters, the target and the evaluation harness (its bootstrap included: ``mean_ci`` and ``ratio_ci``
@@ -28,6 +29,14 @@ from .causal_check import (
 from .drafter_hooks import TargetAttentionRecorder, drafter_queries, head_map, query_in_key_space
 from .explorers import AcceptanceExplorer, AttentionExplorer, has_widget_frontend, show
 from .info_probes import KINDS, ProbeBank, ProbeDims, Readout, probe_widths
+from .mtbench_gap import (
+    answer_positions,
+    binned_accuracy,
+    cycle_start_positions,
+    gap_table,
+    outcome_rows,
+    reference_split,
+)
 from .probe_data import ProbeData, ProbeDoc, probe_documents
 from .probe_stats import information_gap, pairwise_tests, probe_results, slope
 from .probe_training import (
@@ -49,6 +58,12 @@ from .query_tables import (
 )
 
 __all__ = [
+    "answer_positions",
+    "binned_accuracy",
+    "cycle_start_positions",
+    "gap_table",
+    "outcome_rows",
+    "reference_split",
     "AcceptanceExplorer",
     "AttentionExplorer",
     "ESTIMATORS",

@@ -21,6 +21,7 @@ from .config import DATA_SOURCES, TrainConfig, TrainConfigError, parse_drafter_s
 from .convergence import (
     EarlyStopping,
     annealed_plateau,
+    converged_budget,
     convergence_table,
     heldout_acceptance,
     plateau,
@@ -79,6 +80,7 @@ __all__ = [
     "DATA_SOURCES",
     "EarlyStopping",
     "annealed_plateau",
+    "converged_budget",
     "convergence_table",
     "EvalSet",
     "BranchOutcome",

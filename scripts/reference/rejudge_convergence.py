@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvshot_lib.reference.tables import KEYS, reference_table
-from kvshot_lib.target.assets import REPO_ROOT
+from kvshot_lib.reference import tables
+from kvshot_lib.target import assets
 from kvshot_lib.training import convergence_table
 
 
@@ -25,12 +25,12 @@ def rejudge(data) -> list[str]:
             written.append("convergence.csv")
             break
     if (data / "reference_rows.csv").is_file():
-        tables = {t: pd.read_csv(data / t) if (data / t).is_file() else pd.DataFrame() for t in KEYS}
-        reference_table(tables).to_csv(data / "reference_table.csv", index=False)
+        found = {t: pd.read_csv(data / t) if (data / t).is_file() else pd.DataFrame() for t in tables.KEYS}
+        tables.reference_table(found).to_csv(data / "reference_table.csv", index=False)
         written.append("reference_table.csv")
     return written
 
 
 if __name__ == "__main__":
-    for data in sorted((REPO_ROOT / "figures").glob("*/data")):
-        print(data.relative_to(REPO_ROOT), rejudge(data))
+    for data in sorted((assets.REPO_ROOT / "figures").glob("*/data")):
+        print(data.relative_to(assets.REPO_ROOT), rejudge(data))
