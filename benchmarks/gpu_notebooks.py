@@ -236,7 +236,9 @@ def markdown(summary: dict) -> str:
     lines = [
         f"# notebooks 00-07 under `{summary['profile']}` ({summary['scale']}) on {summary['machine']['gpu'] or 'CPU'}",
         "",
-        f"{summary['done']} done in {summary['total_seconds']} s; target: {summary['target'].get('source')}.",
+        f"{summary['done']} done in {summary['total_seconds']} s; target: {summary['target'].get('source')}"
+        + "".join(f"; {k}={v}" for k, v in (summary.get("sets") or {}).items())
+        + ".",
         "",
         "| notebook | status | seconds | tables | NaN cells | infinite cells | figures |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
