@@ -89,9 +89,9 @@ def drafter_queries(
     rope = drafter.rope
     patched = []
 
-    def rope_hook(positions):
+    def rope_hook(positions, bound=None):
         last["positions"] = positions
-        return rope(positions)
+        return rope(positions, bound)
 
     def make_query_hook(li, attn):
         query = attn.query
