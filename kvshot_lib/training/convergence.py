@@ -246,9 +246,9 @@ def stable_plateau(cfg, evals: list[dict]) -> dict:
 # ------------------------------------------------------------------------- the annealed rule: converged
 
 # Per-token cross-entropy spread, as a multiple of its mean, where an evaluation did not record ``ce_sd_0``
-# (every run before the rule): measured on the on-policy held-out set (``data/mtbench_gap`` folder's
-# ``ce_spread.json``, written by ``kvshot_lib.diagnostics.mtbench_gap``).
-CE_SD_PER_MEAN = 1.0
+# (every run before the rule): 1.07-1.16 for the on-policy headline drafters on their held-out set
+# (``figures/onpolicy/data/ce_spread.json``, written by ``scripts/reference/mtbench_gap.py``); the larger is kept.
+CE_SD_PER_MEAN = 1.16
 HALF = (
     0.55  # the reference point of a doubling: the latest point at or below 55% of the last one's token-passes
 )

@@ -21,6 +21,7 @@ import sys
 import pandas as pd
 import torch
 
+from kvshot_lib import plots
 from kvshot_lib.corpus import cut_looping, extract_features, regenerate, tokenize_sharegpt
 from kvshot_lib.decoding import DecodeConfig
 from kvshot_lib.diagnostics import (
@@ -43,6 +44,10 @@ DRAFTERS = {
     "hidden31-ttt@reference": "checkpoints/reference/hidden31-ttt",
 }
 FIRST = 64
+CAPTION = (
+    "SmolLM2-135M-Instruct, float32 · held-out: 64 target-answered ShareGPT conversations, loops cut · "
+    "MT-bench: 80 questions x 2 turns, 64 greedy tokens"
+)
 
 
 def main() -> None:
@@ -117,6 +122,10 @@ def main() -> None:
     spread["machine"] = dict(precision="float32", threads=torch.get_num_threads())
     (out / "ce_spread.json").write_text(json.dumps(spread, indent=1) + "\n")
     print(pd.concat(gaps).to_string())
+    captions = json.loads((out / "captions.json").read_text())
+    captions["04_mtbench_gap"] = CAPTION
+    (out / "captions.json").write_text(json.dumps(dict(sorted(captions.items())), indent=1) + "\n")
+    plots.draw("04_mtbench_gap", out, out.parent)
 
 
 if __name__ == "__main__":
