@@ -70,3 +70,32 @@ def test_accuracy_binned_by_answer_position_with_each_bins_share():
     got = binned_accuracy(r, "answer_pos").set_index("bin")
     assert list(got.index) == ["[0, 16)", "[16, 32)", "[32, 64)", "[64, 1000000000)"]
     assert list(got["accuracy"]) == [1.0, 0.0, 1.0, 1.0] and list(got["share"]) == [0.25] * 4
+
+
+def test_outcome_rows_count_what_the_held_out_evaluation_counts(tiny_llama, tokenizer, tmp_path):
+    """Per-branch rows on a tiny target: their hits per step average to evaluate_per_step's acc_k, every row is
+    an answer token, and p1 is the target's own top-1 probability at the position that predicts it."""
+    from conftest import trained_like
+
+    from kvshot_lib.corpus import extract_features, tokenize_sharegpt
+    from kvshot_lib.diagnostics import outcome_rows
+    from kvshot_lib.training import EvalSet, evaluate_per_step
+
+    split = tokenize_sharegpt(tokenizer, "eval", 3, 60, seed=0)
+    store = extract_features(tiny_llama, split, out_dir=tmp_path / "f")
+    drafter = trained_like(tiny_llama, "hidden")
+    evals = EvalSet.build(store, drafter.cfg, tiny_llama, len(split), 2)
+    head = tiny_llama.model.lm_head.weight.detach()
+    rows = outcome_rows(drafter, evals, split, head, 3, 2)
+    want = evaluate_per_step(drafter, evals, 3)
+    for k in range(3):
+        at_k = rows[rows["k"] == k]
+        assert len(at_k) == want[f"n_{k}"] and at_k["hit"].mean() == pytest.approx(want[f"acc_{k}"])
+    assert (rows["answer_pos"] >= 0).all() and rows["p1"].between(0, 1).all()
+    r = rows.iloc[len(rows) // 2]
+    seq = int(r["sequence"])
+    token = [i for i, p in enumerate(answer_positions(split.loss_mask[seq])) if p == r["answer_pos"]]
+    with torch.no_grad():
+        logits = tiny_llama.model(split.ids[seq][None]).logits[0].float()  # [T, V]
+    p1s = [float(torch.softmax(logits[t - 1], -1).max()) for t in token]  # where the row's token may sit
+    assert min(abs(p - r["p1"]) for p in p1s) < 1e-3  # features are stored in float16

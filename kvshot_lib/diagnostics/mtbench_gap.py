@@ -75,22 +75,22 @@ def outcome_rows(
     drafter, evals: EvalSet, split: TokenizedSplit, lm_head: torch.Tensor, n_steps: int, batch_size: int
 ) -> pd.DataFrame:
     """One row per evaluated branch and draft step: ``sequence`` (index into ``split``), ``k``, ``answer_pos`` of
-    the predicted token, ``hit``, ``ce`` and the target's top-1 probability ``p1`` and ``margin`` (top-1 minus
-    top-2) there, over its full vocabulary."""
+    the predicted token, ``hit``, ``ce`` and the target's top-1 probability ``p1`` there, over its full
+    vocabulary."""
     parts, tops = [], {}
     positions = [answer_positions(m) for m in split.loss_mask]  # each [T]
     for o in branch_outcomes(drafter, evals, n_steps):
         if o.batch_index not in tops:  # the target's confidence at every position of the batch
             fh = evals.batches[o.batch_index].final_hidden.float()  # [B, T, H]
-            p = torch.softmax(fh @ lm_head.float().T.to(fh.device), -1).topk(2, dim=-1).values  # [B, T, 2]
+            p = torch.softmax(fh @ lm_head.float().T.to(fh.device), -1).amax(-1)  # [B, T]
             tops = {o.batch_index: p.cpu()}
-        p2 = tops[o.batch_index]
+        p1 = tops[o.batch_index]
         seq, tok = o.sequence.cpu(), o.token.cpu()
         first = o.batch_index * batch_size
         apos = torch.tensor(
             [int(positions[first + int(s)][int(t)]) for s, t in zip(seq, tok)], dtype=torch.long
         )
-        conf = p2[seq, tok - 1]  # [M, 2] the distribution that predicts token t
+        conf = p1[seq, tok - 1]  # [M] the distribution that predicts token t
         parts.append(
             pd.DataFrame(
                 dict(
@@ -99,8 +99,7 @@ def outcome_rows(
                     answer_pos=apos.numpy(),
                     hit=(o.guess == o.want).cpu().numpy(),
                     ce=o.cross_entropy.cpu().numpy(),
-                    p1=conf[:, 0].numpy(),
-                    margin=(conf[:, 0] - conf[:, 1]).numpy(),
+                    p1=conf.numpy(),
                 )
             )
         )
@@ -138,16 +137,16 @@ def gap_table(
     ``alpha0`` its (accepted, attempted) first drafts. One row per measure and component, with 95% bootstrap
     intervals over held-out conversations and MT-bench turns (resampled independently)."""
     h0, m0 = held[held["k"] == 0], mtbench[mtbench["k"] == 0]
-    at_start = m0[[p in set(starts.get(s, ())) for s, p in zip(m0["sequence"], m0["answer_pos"])]]
+    start_sets = {seq: set(pos) for seq, pos in starts.items()}
+    at_start = m0[[p in start_sets.get(s, ()) for s, p in zip(m0["sequence"], m0["answer_pos"])]]
     units = dict(
         heldout=_per_unit(h0),
         heldout_first=_per_unit(h0[h0["answer_pos"] < first_tokens]),
         mtbench_tf=_per_unit(m0),
         mtbench_tf_starts=_per_unit(at_start),
     )
-    acc_starts = _per_unit(at_start)
-    # alpha_0 per MT-bench sequence: the replay's first drafts are the cycle starts; the bootstrap resamples the
-    # MT-bench turns together for every MT-bench measure (alpha_0 is given in total only, so it stays fixed)
+    # alpha_0 comes in total only, so the bootstrap holds it fixed; each replicate resamples held-out conversations
+    # and MT-bench turns, the same turns for every MT-bench measure
     rng = np.random.default_rng(seed)
     h_seqs, m_seqs = units["heldout"].index.to_numpy(), units["mtbench_tf"].index.to_numpy()
 
@@ -196,6 +195,6 @@ def gap_table(
     ]
     n = dict(
         heldout=len(h0), heldout_first=int(units["heldout_first"]["size"].sum()), mtbench_tf=len(m0),
-        mtbench_tf_starts=int(acc_starts["size"].sum()), alpha_0=alpha0[1],
+        mtbench_tf_starts=int(units["mtbench_tf_starts"]["size"].sum()), alpha_0=alpha0[1],
     )  # fmt: skip
     return pd.DataFrame(rows).assign(n=[n.get(r["name"]) for r in rows])
