@@ -231,6 +231,9 @@ def gap_trend(tokens, gap, se) -> dict:
     return dict(slope=slope, slope_lo=float(lo), slope_hi=float(hi), trend=trend, n_points=len(x))
 
 
+TREND_KEYS = ("slope", "slope_lo", "slope_hi", "trend", "n_points")  # what gap_trend returns
+
+
 def gap_trends(gaps: pd.DataFrame) -> pd.DataFrame:
     """:func:`gap_trend` per comparison and metric of a :func:`gap_by_budget` table, with the last gap."""
     rows = []
@@ -251,4 +254,6 @@ def gap_trends(gaps: pd.DataFrame) -> pd.DataFrame:
                 **gap_trend(d["tokens"], d["gap"], d["se"]),
             )
         )
-    return pd.DataFrame(rows)
+    # no pair with 3 budgets: an empty table that still names its columns (a CSV reader then reads 0 rows)
+    columns = ["comparison", "drafter", "minus", "metric", "last_gap", "last_lo", "last_hi"]
+    return pd.DataFrame(rows) if rows else pd.DataFrame(columns=[*columns, *TREND_KEYS])
