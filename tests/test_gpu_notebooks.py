@@ -23,6 +23,9 @@ from kvshot_lib import runner
 from kvshot_lib.target import REPO_ROOT
 
 BENCH = REPO_ROOT / "benchmarks"
+MAY_BE_EMPTY = (
+    "speedup_divergences.csv",
+)  # float32 outputs that differ from plain decoding's: none, we hope
 
 
 def _script(name: str):
@@ -184,7 +187,8 @@ def test_make_gpu_notebooks_tiny_runs_every_notebook_from_a_bundle(tmp_path):
         if "same_as" in table:
             assert table["same_as"] in summary["tables"]
             continue
-        assert "error" not in table and table["n_rows"] > 0, (name, table.get("error"))
+        empty_ok = name.endswith(MAY_BE_EMPTY)  # a list of what went wrong: empty is the good outcome
+        assert "error" not in table and (table["n_rows"] > 0 or empty_ok), (name, table.get("error"))
         assert not any(c["inf"] for c in table["nonfinite"].values()), (name, table["nonfinite"])
     assert len(list(out.iterdir())) <= 7
 
