@@ -108,6 +108,26 @@ def assert_reference_checkpoint(drafter, files, folder, target) -> None:
         )  # same architecture, other weights
 
 
+# A run of 14 drafters of five paradigms and four stages, in the order an evaluation might write them (no order):
+# what the figure tests draw, so that a figure meets as many drafters as the on-policy run has.
+MANY_DRAFTERS = [
+    ("hybrid31-ttt-s3", "hybrid"),
+    ("kv-ttt-zeroed", "kv"),
+    ("hidden31-ttt-noloop-s2", "hidden"),
+    ("ngram", "baseline"),
+    ("hidden-ttt@reference", "hidden"),
+    ("kv-ttt", "kv"),
+    ("hybrid31-ttt-zeroed", "hybrid"),
+    ("hybrid31-ttt", "hybrid"),
+    ("none-ttt", "none"),
+    ("hidden31-ttt@reference", "hidden"),
+    ("hidden31-ttt-s3", "hidden"),
+    ("hybrid31-ttt-s3-zeroed", "hybrid"),
+    ("hidden31-ttt", "hidden"),
+    ("block-kv", "block"),
+]
+
+
 def random_prompts(n: int, seed: int, vocab: int = 49152) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(3, 40, (n,), generator=g).tolist()

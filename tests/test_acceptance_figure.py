@@ -8,28 +8,11 @@ import pandas as pd
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from conftest import MANY_DRAFTERS  # noqa: E402
 
 from kvshot_lib.plots import acceptance, drafter_color, series  # noqa: E402
 
-RUN = pd.DataFrame(  # a run's drafters in the order its evaluation wrote them
-    [
-        ("hybrid31-ttt-s3", "hybrid"),
-        ("kv-ttt-zeroed", "kv"),
-        ("hidden31-ttt-noloop-s2", "hidden"),
-        ("ngram", "baseline"),
-        ("hidden-ttt@reference", "hidden"),
-        ("kv-ttt", "kv"),
-        ("hybrid31-ttt-zeroed", "hybrid"),
-        ("hybrid31-ttt", "hybrid"),
-        ("none-ttt", "none"),
-        ("hidden31-ttt@reference", "hidden"),
-        ("hidden31-ttt-s3", "hidden"),
-        ("hybrid31-ttt-s3-zeroed", "hybrid"),
-        ("hidden31-ttt", "hidden"),
-        ("block-kv", "block"),
-    ],
-    columns=["drafter", "paradigm"],
-)
+RUN = pd.DataFrame(MANY_DRAFTERS, columns=["drafter", "paradigm"])  # in the order its evaluation wrote them
 
 
 def test_a_paradigms_headline_is_its_latest_stages_main_row_never_a_control():

@@ -18,27 +18,13 @@ import pytest
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from conftest import MANY_DRAFTERS  # noqa: E402
 
 from kvshot_lib.plots import FIGURES, load_tables, paper_style, series  # noqa: E402
 from kvshot_lib.target import REPO_ROOT  # noqa: E402
 
 MAX_SERIES = 8  # the number (kvshot_lib.plots.series.MAX_SERIES is what the figures keep)
-RUN = [  # (drafter, paradigm): the order a run's evaluation might write them in
-    ("hybrid31-ttt-s3", "hybrid"),
-    ("kv-ttt-zeroed", "kv"),
-    ("hidden31-ttt-noloop-s2", "hidden"),
-    ("ngram", "baseline"),
-    ("hidden-ttt@reference", "hidden"),
-    ("kv-ttt", "kv"),
-    ("hybrid31-ttt-zeroed", "hybrid"),
-    ("hybrid31-ttt", "hybrid"),
-    ("none-ttt", "none"),
-    ("hidden31-ttt@reference", "hidden"),
-    ("hidden31-ttt-s3", "hidden"),
-    ("hybrid31-ttt-s3-zeroed", "hybrid"),
-    ("hidden31-ttt", "hidden"),
-    ("block-kv", "block"),
-]
+RUN = MANY_DRAFTERS  # (drafter, paradigm): the order a run's evaluation might write them in
 FOLDERS = [REPO_ROOT / "figures" / p / "data" for p in ("onpolicy", "reference", "full", "default")]
 
 
