@@ -5,7 +5,6 @@ KVSHOT_ASSETS_DIR; here a small bundle is written and `make gpu-check GPU_SCALE=
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,16 +16,15 @@ import torch
 from kvshot_lib.corpus import load_mtbench, load_sharegpt
 from kvshot_lib.target import REPO_ROOT, assets, random_target
 
-spec = importlib.util.spec_from_file_location("gpu_check", REPO_ROOT / "benchmarks" / "gpu_check.py")
-gpu_check = importlib.util.module_from_spec(spec)
-sys.modules["gpu_check"] = gpu_check  # its dataclass resolves names through it
-spec.loader.exec_module(gpu_check)
+# the check's parts sit beside its script, which imports them so
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import gpu_stages  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("bundle") / "gpu_bundle"
-    gpu_check.write_bundle(out, n_conversations=40)
+    gpu_stages.write_bundle(out, n_conversations=40)
     return out
 
 
@@ -42,7 +40,7 @@ def test_the_bundle_holds_what_the_check_reads_and_no_weights(bundle):
     assert manifest["sharegpt_records"] == 40
     assert manifest["bytes"] == sum((bundle / f).stat().st_size for f in manifest["files"]) < 20e6
     before = os.environ.get("KVSHOT_ASSETS_DIR")
-    with gpu_check.bundle_assets(bundle):
+    with gpu_stages.bundle_assets(bundle):
         assert assets.sharegpt_json().is_relative_to(bundle) and assets.mtbench_jsonl().is_relative_to(bundle)
         conversations, counts = load_sharegpt()
         assert len(conversations) + sum(v for k, v in counts.items() if k != "ok") == 40
@@ -94,7 +92,7 @@ def test_tiny_check_reports_every_number_positive(result):
     for name, row in s.items():
         assert row["seconds"] > 0 and row["peak_memory_gib"] > 0, name
     cost = s["verification_cost"]["rows"]
-    assert [c["k"] for c in cost] == list(gpu_check.SCALES["tiny"].cv_sizes)
+    assert [c["k"] for c in cost] == list(gpu_stages.SCALES["tiny"].cv_sizes)
     assert cost[0]["chain_rel"] == 1.0 and all(c["chain_s"] > 0 and c["tree_s"] > 0 for c in cost)
     assert "151,936" in r["target"]["vocabulary_note"]  # says the vocabulary is not Qwen3's
     assert dest.name == f"gpu_check_{r['machine']['name']}_tiny.json"
@@ -106,7 +104,7 @@ def test_tiny_check_times_every_drafter_at_replayed_acceptance(result):
     tokens committed (so every output equals it), the drawn MAT near the aimed one, every time positive."""
     r, dest = result
     rep = r["stages"]["replayed_acceptance"]
-    scale = gpu_check.SCALES["tiny"]
+    scale = gpu_stages.SCALES["tiny"]
     assert "replayed acceptance" in rep["label"] and rep["plain_tokens_per_s"] > 0
     rows = rep["rows"]
     assert [(x["drafter"], x["mode"]) for x in rows] == [
@@ -134,8 +132,8 @@ def test_tiny_check_chain_and_tree_equal_plain_decoding(result):
 
 
 def test_the_float32_pass_casts_the_target_in_place(tokenizer):
-    target = random_target(gpu_check.SCALES["tiny"].config, "qwen3", tokenizer, "cpu", "bfloat16")
-    fp32 = gpu_check.float32_in_place(target, "cpu")
+    target = random_target(gpu_stages.SCALES["tiny"].config, "qwen3", tokenizer, "cpu", "bfloat16")
+    fp32 = gpu_stages.float32_in_place(target, "cpu")
     assert fp32.model is target.model and fp32.info.dtype == "float32"
     assert {p.dtype for p in fp32.model.parameters()} == {torch.float32}
 

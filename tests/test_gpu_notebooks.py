@@ -153,12 +153,13 @@ def test_the_summary_and_its_figures_fit_what_comes_back(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_make_gpu_notebooks_tiny_runs_every_notebook_from_a_bundle(tmp_path):
+def test_make_gpu_notebooks_tiny_runs_every_notebook_from_a_bundle(tmp_path, monkeypatch):
     """The GPU command at toy shapes: bundle (without wheels: this python has them all), one target build, 8
     notebooks under papermill, the summary. A fresh cache, as on a bare machine: no SmolLM2, no earlier prompts."""
-    gpu_check = sys.modules.get("gpu_check") or _script("gpu_check")
+    monkeypatch.syspath_prepend(str(BENCH))  # the GPU check's parts, as its script imports them
+    gpu_stages = importlib.import_module("gpu_stages")
     bundle = tmp_path / "gpu_bundle"
-    gpu_check.write_bundle(bundle, gpu_notebooks.BUNDLE_CONVERSATIONS)  # as make gpu-bundle writes it
+    gpu_stages.write_bundle(bundle, gpu_notebooks.BUNDLE_CONVERSATIONS)  # as make gpu-bundle writes it
     env = dict(
         os.environ, KVSHOT_CACHE=str(tmp_path / "cache"), OUT=str(tmp_path / "out"), OMP_NUM_THREADS="1"
     )

@@ -79,7 +79,7 @@ def test_imports_run_down_the_flow(package):
 
 
 def _user_files():
-    for pattern in ("tests/*.py", "benchmarks/*.py", "scripts/**/*.py"):
+    for pattern in ("tests/*.py", "benchmarks/**/*.py", "scripts/**/*.py"):
         for f in sorted(REPO_ROOT.glob(pattern)):
             yield f, f.read_text()
     for nb in sorted(REPO_ROOT.glob("notebooks/*.ipynb")):
