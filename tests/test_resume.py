@@ -166,3 +166,27 @@ def test_a_killed_run_resumes_to_the_uninterrupted_run(
         "the resumed call must run only the steps after the saved state"
     )
     assert_same_run(resumed, whole)
+
+
+def test_a_run_killed_online_resumes_from_a_store(peaky, data, uninterrupted, tmp_path, monkeypatch):
+    """Where the features come from is not what is trained: a state saved online resumes from a store of the same
+    split (only the steps after it), to the uninterrupted store run within the sources' float tolerance."""
+    whole, saved = uninterrupted["store"], kill_points(uninterrupted["store"])["mid_epoch"]
+
+    def run(source):
+        cfg = TrainConfig(data_source=source, **PARAMS)
+        return train_drafter(peaky, *data[source], cfg, tmp_path, d2t=data["d2t"], progress=False)
+
+    steps_run(monkeypatch, "online", kill_at=saved)
+    with pytest.raises(KeyboardInterrupt):
+        run("online")
+    assert loop.read_train_state(tmp_path)["config"]["data_source"] == "online"
+    seen = steps_run(monkeypatch, "store")
+    resumed = run("store")
+    assert seen == list(range(saved, len(whole.logs["history"])))  # resumed, not started over
+    assert [r["step"] for r in resumed.logs["history"]] == [r["step"] for r in whole.logs["history"]]
+    for got, want in zip(resumed.logs["history"], whole.logs["history"]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-5), got["step"]
+    a, b = resumed.drafter.state_dict(), whole.drafter.state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4)

@@ -276,11 +276,21 @@ def _resume_point(
     """(first step, logs so far, seconds so far): from the saved state of the same config, or a fresh start.
     The drafter, the optimizer and the early-stopping state are restored in place."""
     meta = read_train_state(out) if resume else None
-    if meta is None or meta["config"] != cfg.as_dict():
+    if meta is None or _trained_alike(meta["config"]) != _trained_alike(cfg.as_dict()):
         return 0, {name: [] for name in LOG_TABLES}, 0.0
     meta = load_train_state(out, drafter, optimizer, stopper)
     logs = meta["logs"]
     return meta["step"], logs, logs.pop("_seconds", 0.0)
+
+
+# where the target's features come from, not what they are: a store's batches equal online ones (online.py), so a
+# run may resume from the other source (e.g. online until a store is extracted)
+SOURCE_KEYS = ("data_source",)
+
+
+def _trained_alike(config: dict) -> dict:
+    """A run's config without :data:`SOURCE_KEYS`: a saved state resumes when these are equal."""
+    return {k: v for k, v in config.items() if k not in SOURCE_KEYS}
 
 
 @dataclass
