@@ -18,8 +18,8 @@ A row is ``NAME`` (trained in this checkout's ``runs/``) or ``ROOT:NAME`` (a run
 e.g. a control row trained beside a committed one of the same name).
 Prints the points and the gaps (:func:`~kvshot_lib.evaluation.gap_by_budget`, 95% normal intervals), then the
 held-out acc_0 of every evaluation so far (every ``eval_every`` steps, at the stable learning rate) beside the
-``--against`` rows' at the same steps; ``--out`` writes the three tables (``X.csv``, ``X_gaps.csv``,
-``X_heldout.csv``); ``--stopped`` adds the points of rows that will train no further to
+``--against`` rows' at the same steps; ``--out`` writes the four tables (``X.csv``, ``X_gaps.csv``,
+``X_heldout.csv``, and ``X_convergence.csv``: the convergence rule over the points so far); ``--stopped`` adds the points of rows that will train no further to
 ``figures/<run>/data/stopped_curves.csv``, which ``kvshot figures`` draws beside the finished rows' learning
 curves (``02_learning_curves``). A label ``row@here`` names a row trained on this machine whose name is also a
 committed row's.
@@ -35,12 +35,13 @@ import pandas as pd
 from kvshot_lib.evaluation import curve_table, gap_by_budget
 from kvshot_lib.reference import load_plan
 from kvshot_lib.target import REPO_ROOT, machine_record, resolve_precision
-from kvshot_lib.training import read_train_state
+from kvshot_lib.training import convergence_table, read_train_state
 
 
-def saved_points(run_dir: Path, row: str, label: str) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The curve points row ``row`` has logged so far (its saved state), as a ``curve_table``, and its held-out
-    evaluations so far (every ``eval_every`` steps, at the stable-phase learning rate)."""
+def saved_points(run_dir: Path, row: str, label: str) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The curve points row ``row`` has logged so far (its saved state), as a ``curve_table``, its held-out
+    evaluations so far (every ``eval_every`` steps, at the stable-phase learning rate), and the convergence rule's
+    verdict over those points (:func:`~kvshot_lib.training.convergence_table`, at the row's ``converge_z``)."""
     meta = read_train_state(run_dir / "drafters" / row)
     if meta is None:
         raise SystemExit(f"no saved state for {row!r} under {run_dir / 'drafters'}: is it training?")
@@ -56,7 +57,12 @@ def saved_points(run_dir: Path, row: str, label: str) -> tuple[pd.DataFrame, pd.
     curve = pd.DataFrame(meta["logs"]["curve"]).assign(**label_cols)
     evals = pd.DataFrame(meta["logs"].get("eval", [])).assign(**label_cols)
     print(f"{label}: step {meta['step']} saved, {len(curve)} curve points, {len(evals)} held-out evaluations")
-    return curve_table(curve).assign(saved_step=meta["step"], train_steps=cfg.get("train_steps")), evals
+    verdict = convergence_table(curve, z=cfg.get("converge_z") or 2.0).assign(saved_step=meta["step"])
+    return (
+        curve_table(curve).assign(saved_step=meta["step"], train_steps=cfg.get("train_steps")),
+        evals,
+        verdict,
+    )
 
 
 def beside(table: Path, name: str) -> Path:
@@ -93,9 +99,10 @@ def main() -> None:
     where = {r.rpartition(":")[2]: Path(r.rpartition(":")[0] or REPO_ROOT) for r in args.rows}
     labels = {r: (f"{r}@here" if r in set(committed["drafter"]) else r) for r in where}
     saved = [saved_points(root / "runs" / plan.run_name, r, labels[r]) for r, root in where.items()]
-    here = pd.concat([points for points, _ in saved], ignore_index=True)
+    here = pd.concat([points for points, _, _ in saved], ignore_index=True)
+    verdicts = pd.concat([verdict for _, _, verdict in saved], ignore_index=True)
     heldout = pd.read_csv(data / "heldout_eval.csv")
-    heldout = pd.concat([evals for _, evals in saved] + [heldout[heldout["drafter"].isin(args.against)]])
+    heldout = pd.concat([evals for _, evals, _ in saved] + [heldout[heldout["drafter"].isin(args.against)]])
     if args.keep:
         keep = Path(args.keep)
         here = with_new_drafters(here, pd.read_csv(keep))
@@ -116,12 +123,14 @@ def main() -> None:
     acc0 = heldout.pivot_table(index="step", columns="drafter", values="acc_0")
     last = heldout.loc[heldout["drafter"].isin(names), "step"].max()  # as far as the saved rows have come
     print(acc0[acc0.index <= last].to_string(float_format="%.4f"))
+    print(verdicts.to_string(index=False, float_format="%.4f"))  # the convergence rule over the points so far
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         here.to_csv(out, index=False)
         gaps.to_csv(beside(out, "gaps"), index=False)
         heldout.to_csv(beside(out, "heldout"), index=False)
+        verdicts.to_csv(beside(out, "convergence"), index=False)
     if args.stopped:
         table = Path(args.stopped)
         earlier = pd.read_csv(table) if table.is_file() else here.iloc[:0]
