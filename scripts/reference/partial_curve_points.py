@@ -128,7 +128,8 @@ def main() -> None:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         here.to_csv(out, index=False)
-        gaps.to_csv(beside(out, "gaps"), index=False)
+        if not gaps.empty:  # no budget in common: no table (an empty one would have no header)
+            gaps.to_csv(beside(out, "gaps"), index=False)
         heldout.to_csv(beside(out, "heldout"), index=False)
         verdicts.to_csv(beside(out, "convergence"), index=False)
     if args.stopped:
