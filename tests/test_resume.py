@@ -190,3 +190,25 @@ def test_a_run_killed_online_resumes_from_a_store(peaky, data, uninterrupted, tm
     a, b = resumed.drafter.state_dict(), whole.drafter.state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4)
+
+
+def test_a_state_saved_under_another_config_is_named_before_it_is_trained_over(
+    peaky, data, tmp_path, monkeypatch
+):
+    steps_run(monkeypatch, "store", kill_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(peaky, *data["store"], TrainConfig(**PARAMS), tmp_path, d2t=data["d2t"], progress=False)
+    seen = steps_run(monkeypatch, "store", kill_at=1)
+    with (
+        pytest.warns(UserWarning, match=r"another config \(lr\): starting over"),
+        pytest.raises(KeyboardInterrupt),
+    ):
+        train_drafter(
+            peaky,
+            *data["store"],
+            TrainConfig(**dict(PARAMS, lr=0.01)),
+            tmp_path,
+            d2t=data["d2t"],
+            progress=False,
+        )
+    assert seen == [0]  # started over, as the warning said

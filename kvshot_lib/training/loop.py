@@ -23,6 +23,7 @@ import copy
 import json
 import shutil
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,7 +277,13 @@ def _resume_point(
     """(first step, logs so far, seconds so far): from the saved state of the same config, or a fresh start.
     The drafter, the optimizer and the early-stopping state are restored in place."""
     meta = read_train_state(out) if resume else None
-    if meta is None or _trained_alike(meta["config"]) != _trained_alike(cfg.as_dict()):
+    old, new = _trained_alike(meta["config"] if meta else {}), _trained_alike(cfg.as_dict())
+    if meta is not None and old != new:  # said, not silent: hours of training may be behind that state
+        changed = ", ".join(sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)))
+        warnings.warn(
+            f"{out / STATE_DIR} was saved under another config ({changed}): starting over", stacklevel=3
+        )
+    if meta is None or old != new:
         return 0, {name: [] for name in LOG_TABLES}, 0.0
     meta = load_train_state(out, drafter, optimizer, stopper)
     logs = meta["logs"]
