@@ -271,25 +271,6 @@ def new_drafter(
     return drafter
 
 
-def _resume_point(
-    out: Path, cfg: TrainConfig, drafter: TrainableDrafter, optimizer, stopper: EarlyStopping, resume: bool
-) -> tuple[int, dict, float]:
-    """(first step, logs so far, seconds so far): from the saved state of the same config, or a fresh start.
-    The drafter, the optimizer and the early-stopping state are restored in place."""
-    meta = read_train_state(out) if resume else None
-    old, new = _trained_alike(meta["config"] if meta else {}), _trained_alike(cfg.as_dict())
-    if meta is not None and old != new:  # said, not silent: hours of training may be behind that state
-        changed = ", ".join(sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)))
-        warnings.warn(
-            f"{out / STATE_DIR} was saved under another config ({changed}): starting over", stacklevel=3
-        )
-    if meta is None or old != new:
-        return 0, {name: [] for name in LOG_TABLES}, 0.0
-    meta = load_train_state(out, drafter, optimizer, stopper)
-    logs = meta["logs"]
-    return meta["step"], logs, logs.pop("_seconds", 0.0)
-
-
 # where the target's features come from, not what they are: a store's batches equal online ones (online.py), so a
 # run may resume from the other source (e.g. online until a store is extracted)
 SOURCE_KEYS = ("data_source",)
@@ -298,6 +279,27 @@ SOURCE_KEYS = ("data_source",)
 def _trained_alike(config: dict) -> dict:
     """A run's config without :data:`SOURCE_KEYS`: a saved state resumes when these are equal."""
     return {k: v for k, v in config.items() if k not in SOURCE_KEYS}
+
+
+def _resume_point(
+    out: Path, cfg: TrainConfig, drafter: TrainableDrafter, optimizer, stopper: EarlyStopping, resume: bool
+) -> tuple[int, dict, float]:
+    """(first step, logs so far, seconds so far): from the saved state of the same config, or a fresh start.
+    The drafter, the optimizer and the early-stopping state are restored in place."""
+    meta = read_train_state(out) if resume else None
+    fresh = 0, {name: [] for name in LOG_TABLES}, 0.0
+    if meta is None:
+        return fresh
+    old, new = _trained_alike(meta["config"]), _trained_alike(cfg.as_dict())
+    if old != new:  # said, not silent: hours of training may be behind that state
+        changed = ", ".join(sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)))
+        warnings.warn(
+            f"{out / STATE_DIR} was saved under another config ({changed}): starting over", stacklevel=3
+        )
+        return fresh
+    meta = load_train_state(out, drafter, optimizer, stopper)
+    logs = meta["logs"]
+    return meta["step"], logs, logs.pop("_seconds", 0.0)
 
 
 @dataclass

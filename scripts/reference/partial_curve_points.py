@@ -19,8 +19,8 @@ e.g. a control row trained beside a committed one of the same name).
 Prints the points and the gaps (:func:`~kvshot_lib.evaluation.gap_by_budget`, 95% normal intervals), then the
 held-out acc_0 of every evaluation so far (every ``eval_every`` steps, at the stable learning rate) beside the
 ``--against`` rows' at the same steps; ``--out`` writes the four tables (``X.csv``, ``X_gaps.csv``,
-``X_heldout.csv``, and ``X_convergence.csv``: the convergence rule over the points so far); ``--stopped`` adds the points of rows that will train no further to
-``figures/<run>/data/stopped_curves.csv``, which ``kvshot figures`` draws beside the finished rows' learning
+``X_heldout.csv``, and ``X_convergence.csv``: the convergence rule over the points so far); ``--stopped`` adds
+the points of rows that will train no further to ``figures/<run>/data/stopped_curves.csv``, which ``kvshot figures`` draws beside the finished rows' learning
 curves (``02_learning_curves``). A label ``row@here`` names a row trained on this machine whose name is also a
 committed row's.
 """
