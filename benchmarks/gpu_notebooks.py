@@ -219,17 +219,11 @@ def read_tables(folders: list[Path], since: float) -> dict:
 
 
 def machine() -> dict:
-    import torch
-    import transformers
+    """The GPU check's record of the machine (``gpu_stages.recording``) with the versions the notebooks ran on."""
+    from gpu_stages.recording import machine as where
+    from gpu_stages.recording import preflight
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    from kvshot_lib.target import bf16_tier, cpu_model, machine_label
-
-    name = machine_label(gpu, cpu_model(), os.cpu_count(), bf16_tier())
-    versions = dict(
-        python=sys.version.split()[0], torch=torch.__version__, transformers=transformers.__version__
-    )
-    return dict(gpu=gpu, name=name, **versions)
+    return {**where(), **preflight()}
 
 
 def markdown(summary: dict) -> str:
