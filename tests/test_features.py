@@ -157,3 +157,26 @@ def test_a_subset_of_a_store_reads_the_chosen_sequences_in_order(tiny_llama, spl
     assert store.n_tokens == store.manifest["n_tokens"] == split.n_tokens
     part = split.subset([4, 0])
     assert part.source_ids == [split.source_ids[4], split.source_ids[0]] and part.n_tokens == view.n_tokens
+
+
+def test_a_row_that_keeps_some_conversations_reads_the_whole_store_only_where_it_is_finished(
+    tiny_llama, split, tmp_path, monkeypatch
+):
+    """``reference.data.row_store``: with no store of the slice, only the kept conversations are extracted (and the
+    slice's own store is not started); once the slice's store is finished, the row reads a view of it instead."""
+    from kvshot_lib.reference import data
+
+    monkeypatch.setenv("KVSHOT_CACHE", str(tmp_path))
+    keep = [4, 0, 2]
+    assert extract_features(tiny_llama, split, precision="no", extract=False) is None
+    own = data.row_store(tiny_llama, split, keep, "no")
+    assert len(own) == 3 and own.n_tokens == split.subset(keep).n_tokens
+    assert (
+        extract_features(tiny_llama, split, precision="no", extract=False) is None
+    )  # nothing of the slice written
+    whole = extract_features(tiny_llama, split, precision="no")
+    view = data.row_store(tiny_llama, split, keep, "no")
+    assert view.path == whole.path != own.path and len(view) == 3
+    for j, i in enumerate(keep):
+        a, b = view.sequence(j), own.sequence(j)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), i

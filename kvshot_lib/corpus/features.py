@@ -124,8 +124,10 @@ def extract_features(
     dtype: str = "auto",
     shard_tokens: int = 32768,
     precision: str = "auto",
-) -> FeatureStore:
-    """Extract (or resume extracting) features of ``split`` with ``target``; returns the finished store.
+    extract: bool = True,
+) -> FeatureStore | None:
+    """Extract (or resume extracting) features of ``split`` with ``target``; returns the finished store
+    (``extract=False``: the finished store, or None where there is none yet, and nothing is written).
 
     ``hidden_layers`` defaults to EAGLE-3's (1, L/2-1, L-4); ``kv_layers`` defaults to the same layers.
     ``precision`` (``auto`` / ``no`` / ``bf16``, see target/precision.py) is what the target's forward runs
@@ -150,6 +152,8 @@ def extract_features(
     # A finished store is only read: runs sharing it can start together, and it keeps its machine record.
     if _resume(out, manifest):
         return FeatureStore(out)
+    if not extract:
+        return None
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.tmp"):
         stale.unlink()
