@@ -28,7 +28,7 @@ def fake_state(root, row, points):
         dict(
             **{f"acc_{k}": acc * 0.9**k for k in range(7)},
             **{f"n_{k}": 20000 if k else 40000 for k in range(7)},
-            step=budget + 10, budget_step=budget, tokens=tokens,
+            ce_0=2 - acc, ce_sd_0=2.0, step=budget + 10, budget_step=budget, tokens=tokens,
         )
         for budget, tokens, acc in points
     ]  # fmt: skip
@@ -74,6 +74,14 @@ def test_partial_curve_points_compare_a_saved_row_with_a_committed_one(tmp_path)
     theirs = pd.read_csv(REPO_ROOT / "figures" / "reference" / "data" / "heldout_eval.csv")
     theirs = theirs[theirs["drafter"] == "hidden-ttt"]
     assert heldout[heldout["drafter"] == "hidden-ttt"]["acc_0"].tolist() == theirs["acc_0"].tolist()
+    rule = pd.read_csv(out.with_name("curve_points.csv")).set_index(
+        "budget_step"
+    )  # the convergence rule's inputs
+    assert rule.loc[second.budget_step, "ce_0"] == pytest.approx(1.7)
+    assert rule.loc[second.budget_step, "ce_se_0"] == pytest.approx(
+        2 / 200
+    )  # sd 2 over sqrt(40,000) positions
+    assert rule.loc[first.budget_step, "acc_se_0"] == pytest.approx((0.25 * 0.75 / 40000) ** 0.5)
     se = (0.25 * 0.75 / 40000 + first.se**2) ** 0.5  # the two points' binomial errors, combined
     assert gap.loc[first.budget_step, "hi"] - gap.loc[first.budget_step, "gap"] == pytest.approx(
         1.96 * se, rel=1e-3

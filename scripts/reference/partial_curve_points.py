@@ -18,8 +18,9 @@ A row is ``NAME`` (trained in this checkout's ``runs/``) or ``ROOT:NAME`` (a run
 e.g. a control row trained beside a committed one of the same name).
 Prints the points and the gaps (:func:`~kvshot_lib.evaluation.gap_by_budget`, 95% normal intervals), then the
 held-out acc_0 of every evaluation so far (every ``eval_every`` steps, at the stable learning rate) beside the
-``--against`` rows' at the same steps; ``--out`` writes the four tables (``X.csv``, ``X_gaps.csv``,
-``X_heldout.csv``, and ``X_convergence.csv``: the convergence rule over the points so far); ``--stopped`` adds
+``--against`` rows' at the same steps; ``--out`` writes the tables (``X.csv``, ``X_gaps.csv``,
+``X_heldout.csv``, ``X_convergence.csv``: the convergence rule over the points so far, and ``X_points.csv``: its
+inputs, each point's held-out acc_0 and cross-entropy with their standard errors); ``--stopped`` adds
 the points of rows that will train no further to ``figures/<run>/data/stopped_curves.csv``, which ``kvshot figures`` draws beside the finished rows' learning
 curves (``02_learning_curves``). A label ``row@here`` names a row trained on this machine whose name is also a
 committed row's.
@@ -38,10 +39,11 @@ from kvshot_lib.target import REPO_ROOT, machine_record, resolve_precision
 from kvshot_lib.training import convergence_table, read_train_state
 
 
-def saved_points(run_dir: Path, row: str, label: str) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+def saved_points(run_dir: Path, row: str, label: str) -> tuple[pd.DataFrame, ...]:
     """The curve points row ``row`` has logged so far (its saved state), as a ``curve_table``, its held-out
-    evaluations so far (every ``eval_every`` steps, at the stable-phase learning rate), and the convergence rule's
-    verdict over those points (:func:`~kvshot_lib.training.convergence_table`, at the row's ``converge_z``)."""
+    evaluations so far (every ``eval_every`` steps, at the stable-phase learning rate), the convergence rule's
+    verdict over those points (:func:`~kvshot_lib.training.convergence_table`, at the row's ``converge_z``), and the
+    rule's inputs: each point's held-out acc_0 and cross-entropy, with their standard errors."""
     meta = read_train_state(run_dir / "drafters" / row)
     if meta is None:
         raise SystemExit(f"no saved state for {row!r} under {run_dir / 'drafters'}: is it training?")
@@ -58,10 +60,21 @@ def saved_points(run_dir: Path, row: str, label: str) -> tuple[pd.DataFrame, pd.
     evals = pd.DataFrame(meta["logs"].get("eval", [])).assign(**label_cols)
     print(f"{label}: step {meta['step']} saved, {len(curve)} curve points, {len(evals)} held-out evaluations")
     verdict = convergence_table(curve, z=cfg.get("converge_z") or 2.0).assign(saved_step=meta["step"])
+    logged = curve.reindex(
+        columns=["ce_0", "ce_sd_0", "branch_steps"]
+    )  # NaN in states from before they were logged
+    inputs = curve[["drafter", "budget_step", "tokens", "n_0", "acc_0"]].assign(
+        branch_steps=logged["branch_steps"],
+        ce_0=logged["ce_0"],
+        acc_se_0=(curve["acc_0"] * (1 - curve["acc_0"]) / curve["n_0"]) ** 0.5,
+        ce_se_0=logged["ce_sd_0"] / curve["n_0"] ** 0.5,
+        saved_step=meta["step"],
+    )
     return (
         curve_table(curve).assign(saved_step=meta["step"], train_steps=cfg.get("train_steps")),
         evals,
         verdict,
+        inputs,
     )
 
 
@@ -99,10 +112,11 @@ def main() -> None:
     where = {r.rpartition(":")[2]: Path(r.rpartition(":")[0] or REPO_ROOT) for r in args.rows}
     labels = {r: (f"{r}@here" if r in set(committed["drafter"]) else r) for r in where}
     saved = [saved_points(root / "runs" / plan.run_name, r, labels[r]) for r, root in where.items()]
-    here = pd.concat([points for points, _, _ in saved], ignore_index=True)
-    verdicts = pd.concat([verdict for _, _, verdict in saved], ignore_index=True)
+    here = pd.concat([points for points, *_ in saved], ignore_index=True)
+    verdicts = pd.concat([verdict for _, _, verdict, _ in saved], ignore_index=True)
+    inputs = pd.concat([rows for *_, rows in saved], ignore_index=True)
     heldout = pd.read_csv(data / "heldout_eval.csv")
-    heldout = pd.concat([evals for _, evals, _ in saved] + [heldout[heldout["drafter"].isin(args.against)]])
+    heldout = pd.concat([evals for _, evals, *_ in saved] + [heldout[heldout["drafter"].isin(args.against)]])
     if args.keep:
         keep = Path(args.keep)
         here = with_new_drafters(here, pd.read_csv(keep))
@@ -123,6 +137,7 @@ def main() -> None:
     acc0 = heldout.pivot_table(index="step", columns="drafter", values="acc_0")
     last = heldout.loc[heldout["drafter"].isin(names), "step"].max()  # as far as the saved rows have come
     print(acc0[acc0.index <= last].to_string(float_format="%.4f"))
+    print(inputs.to_string(index=False, float_format="%.4f"))  # the annealed points: acc_0 and cross-entropy
     print(verdicts.to_string(index=False, float_format="%.4f"))  # the convergence rule over the points so far
     if args.out:
         out = Path(args.out)
@@ -132,6 +147,7 @@ def main() -> None:
             gaps.to_csv(beside(out, "gaps"), index=False)
         heldout.to_csv(beside(out, "heldout"), index=False)
         verdicts.to_csv(beside(out, "convergence"), index=False)
+        inputs.to_csv(beside(out, "points"), index=False)
     if args.stopped:
         table = Path(args.stopped)
         earlier = pd.read_csv(table) if table.is_file() else here.iloc[:0]
