@@ -36,7 +36,11 @@ def fake_state(root, row, points):
         step=points[-1][0] + 40,
         config=dict(mixed_precision="no", paradigm="hybrid", regime="ttt", target_kv="zeroed"),
         logs=dict(
-            curve=curve, eval=[dict(step=200, acc_0=0.21, n_0=40000), dict(step=400, acc_0=0.26, n_0=40000)]
+            curve=curve,
+            eval=[dict(step=200, acc_0=0.21, n_0=40000), dict(step=400, acc_0=0.26, n_0=40000)],
+            history=[
+                dict(seconds=t, tokens=1000) for t in (10.0, 12.0, 14.0, 100.0, 103.0)
+            ],  # 86 s: a branch
         ),
     )
     (state / "trainer.json").write_text(json.dumps(meta))
@@ -82,6 +86,11 @@ def test_partial_curve_points_compare_a_saved_row_with_a_committed_one(tmp_path)
         2 / 200
     )  # sd 2 over sqrt(40,000) positions
     assert rule.loc[first.budget_step, "acc_se_0"] == pytest.approx((0.25 * 0.75 / 40000) ** 0.5)
+    progress = pd.read_csv(out.with_name("curve_progress.csv")).iloc[0]
+    assert progress["plain_steps"] == 3 and progress["seconds_per_step"] == pytest.approx(
+        7 / 3
+    )  # 2 + 2 + 3 s
+    assert progress["token_passes_per_second"] == pytest.approx(3000 / 7) and progress["token_passes"] == 5000
     se = (0.25 * 0.75 / 40000 + first.se**2) ** 0.5  # the two points' binomial errors, combined
     assert gap.loc[first.budget_step, "hi"] - gap.loc[first.budget_step, "gap"] == pytest.approx(
         1.96 * se, rel=1e-3

@@ -20,7 +20,8 @@ Prints the points and the gaps (:func:`~kvshot_lib.evaluation.gap_by_budget`, 95
 held-out acc_0 of every evaluation so far (every ``eval_every`` steps, at the stable learning rate) beside the
 ``--against`` rows' at the same steps; ``--out`` writes the tables (``X.csv``, ``X_gaps.csv``,
 ``X_heldout.csv``, ``X_convergence.csv``: the convergence rule over the points so far, and ``X_points.csv``: its
-inputs, each point's held-out acc_0 and cross-entropy with their standard errors); ``--stopped`` adds
+inputs, each point's held-out acc_0 and cross-entropy with their standard errors, and ``X_progress.csv``: the
+steps, seconds and token-passes so far, and the rate of the plain steps); ``--stopped`` adds
 the points of rows that will train no further to ``figures/<run>/data/stopped_curves.csv``, which ``kvshot figures`` draws beside the finished rows' learning
 curves (``02_learning_curves``). A label ``row@here`` names a row trained on this machine whose name is also a
 committed row's.
@@ -38,12 +39,17 @@ from kvshot_lib.reference import load_plan
 from kvshot_lib.target import REPO_ROOT, machine_record, resolve_precision
 from kvshot_lib.training import convergence_table, read_train_state
 
+PLAIN_STEP_S = (
+    30.0  # a longer gap between two logged steps held an evaluation or a decay branch (or the start)
+)
 
-def saved_points(run_dir: Path, row: str, label: str) -> tuple[pd.DataFrame, ...]:
-    """The curve points row ``row`` has logged so far (its saved state), as a ``curve_table``, its held-out
-    evaluations so far (every ``eval_every`` steps, at the stable-phase learning rate), the convergence rule's
-    verdict over those points (:func:`~kvshot_lib.training.convergence_table`, at the row's ``converge_z``), and the
-    rule's inputs: each point's held-out acc_0 and cross-entropy, with their standard errors."""
+
+def saved_points(run_dir: Path, row: str, label: str) -> dict[str, pd.DataFrame]:
+    """The tables of row ``row``'s saved state, by the name ``--out`` gives them: ``curve`` (the points logged so
+    far, as a ``curve_table``), ``heldout`` (its held-out evaluations, every ``eval_every`` steps at the stable
+    learning rate), ``convergence`` (the rule's verdict over the points, :func:`~kvshot_lib.training.convergence_table`,
+    at the row's ``converge_z``), ``points`` (the rule's inputs: each point's held-out acc_0 and cross-entropy with
+    their standard errors) and ``progress`` (how far, how long, and the rate of its plain steps)."""
     meta = read_train_state(run_dir / "drafters" / row)
     if meta is None:
         raise SystemExit(f"no saved state for {row!r} under {run_dir / 'drafters'}: is it training?")
@@ -59,7 +65,6 @@ def saved_points(run_dir: Path, row: str, label: str) -> tuple[pd.DataFrame, ...
     curve = pd.DataFrame(meta["logs"]["curve"]).assign(**label_cols)
     evals = pd.DataFrame(meta["logs"].get("eval", [])).assign(**label_cols)
     print(f"{label}: step {meta['step']} saved, {len(curve)} curve points, {len(evals)} held-out evaluations")
-    verdict = convergence_table(curve, z=cfg.get("converge_z") or 2.0).assign(saved_step=meta["step"])
     logged = curve.reindex(
         columns=["ce_0", "ce_sd_0", "branch_steps"]
     )  # NaN in states from before they were logged
@@ -70,11 +75,31 @@ def saved_points(run_dir: Path, row: str, label: str) -> tuple[pd.DataFrame, ...
         ce_se_0=logged["ce_sd_0"] / curve["n_0"] ** 0.5,
         saved_step=meta["step"],
     )
-    return (
-        curve_table(curve).assign(saved_step=meta["step"], train_steps=cfg.get("train_steps")),
-        evals,
-        verdict,
-        inputs,
+    history = pd.DataFrame(meta["logs"].get("history", []), columns=["seconds", "tokens"])
+    gaps = history["seconds"].diff()
+    plain = gaps[gaps < PLAIN_STEP_S]
+    progress = pd.DataFrame(
+        [
+            dict(
+                label_cols,
+                saved_step=meta["step"],
+                train_steps=cfg.get("train_steps"),
+                seconds=history["seconds"].max(),
+                token_passes=history["tokens"].sum(),
+                plain_steps=len(plain),
+                seconds_per_step=plain.mean(),
+                token_passes_per_second=history["tokens"][plain.index].sum() / plain.sum()
+                if len(plain)
+                else None,
+            )
+        ]
+    )
+    return dict(
+        curve=curve_table(curve).assign(saved_step=meta["step"], train_steps=cfg.get("train_steps")),
+        heldout=evals,
+        convergence=convergence_table(curve, z=cfg.get("converge_z") or 2.0).assign(saved_step=meta["step"]),
+        points=inputs,
+        progress=progress,
     )
 
 
@@ -112,11 +137,10 @@ def main() -> None:
     where = {r.rpartition(":")[2]: Path(r.rpartition(":")[0] or REPO_ROOT) for r in args.rows}
     labels = {r: (f"{r}@here" if r in set(committed["drafter"]) else r) for r in where}
     saved = [saved_points(root / "runs" / plan.run_name, r, labels[r]) for r, root in where.items()]
-    here = pd.concat([points for points, *_ in saved], ignore_index=True)
-    verdicts = pd.concat([verdict for _, _, verdict, _ in saved], ignore_index=True)
-    inputs = pd.concat([rows for *_, rows in saved], ignore_index=True)
+    saved = {k: pd.concat([t[k] for t in saved], ignore_index=True) for k in saved[0]}
+    here, verdicts = saved["curve"], saved["convergence"]
     heldout = pd.read_csv(data / "heldout_eval.csv")
-    heldout = pd.concat([evals for _, evals, *_ in saved] + [heldout[heldout["drafter"].isin(args.against)]])
+    heldout = pd.concat([saved["heldout"]] + [heldout[heldout["drafter"].isin(args.against)]])
     if args.keep:
         keep = Path(args.keep)
         here = with_new_drafters(here, pd.read_csv(keep))
@@ -137,7 +161,10 @@ def main() -> None:
     acc0 = heldout.pivot_table(index="step", columns="drafter", values="acc_0")
     last = heldout.loc[heldout["drafter"].isin(names), "step"].max()  # as far as the saved rows have come
     print(acc0[acc0.index <= last].to_string(float_format="%.4f"))
-    print(inputs.to_string(index=False, float_format="%.4f"))  # the annealed points: acc_0 and cross-entropy
+    print(
+        saved["points"].to_string(index=False, float_format="%.4f")
+    )  # the annealed points: acc_0, cross-entropy
+    print(saved["progress"].to_string(index=False, float_format="%.2f"))
     print(verdicts.to_string(index=False, float_format="%.4f"))  # the convergence rule over the points so far
     if args.out:
         out = Path(args.out)
@@ -147,7 +174,8 @@ def main() -> None:
             gaps.to_csv(beside(out, "gaps"), index=False)
         heldout.to_csv(beside(out, "heldout"), index=False)
         verdicts.to_csv(beside(out, "convergence"), index=False)
-        inputs.to_csv(beside(out, "points"), index=False)
+        for name in ("points", "progress"):
+            saved[name].to_csv(beside(out, name), index=False)
     if args.stopped:
         table = Path(args.stopped)
         earlier = pd.read_csv(table) if table.is_file() else here.iloc[:0]
