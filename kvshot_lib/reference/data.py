@@ -4,8 +4,8 @@
   CPU plan), with the original responses or, where the regeneration has reached, the target's own;
 * :func:`row_data`: what a row trains on. A ``data_source: store`` row (the CPU plan) gets the slices' feature
   stores, extracted once in bf16 where the machine has it (resumable, :func:`~kvshot_lib.corpus.extract_features`)
-  and reused by every row (:func:`row_store`); an ``online`` row (the GPU plan) gets the tokenized slices. Either way one held-out
-  set, collated for every feature any row reads, measures every row;
+  and reused by every row (:func:`row_store`); an ``online`` row (the GPU plan) gets the tokenized slices. Either
+  way one held-out set, collated for every feature any row reads, measures every row;
 * :func:`corpus_tokens`: what each regenerated training slice of the plan yields, before and after its loops are
   cut or their conversations dropped (``corpus_tokens.csv``);
 * :func:`train_steps_for`: the optimizer steps of the plan's token-pass cap (``budget.token_passes``) on these

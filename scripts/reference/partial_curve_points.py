@@ -39,9 +39,8 @@ from kvshot_lib.reference import load_plan
 from kvshot_lib.target import REPO_ROOT, machine_record, resolve_precision
 from kvshot_lib.training import convergence_table, read_train_state
 
-PLAIN_STEP_S = (
-    30.0  # a longer gap between two logged steps held an evaluation or a decay branch (or the start)
-)
+# a longer gap between two logged steps held an evaluation or a decay branch (or the start)
+PLAIN_STEP_S = 30.0
 
 
 def saved_points(run_dir: Path, row: str, label: str) -> dict[str, pd.DataFrame]:
@@ -65,9 +64,8 @@ def saved_points(run_dir: Path, row: str, label: str) -> dict[str, pd.DataFrame]
     curve = pd.DataFrame(meta["logs"]["curve"]).assign(**label_cols)
     evals = pd.DataFrame(meta["logs"].get("eval", [])).assign(**label_cols)
     print(f"{label}: step {meta['step']} saved, {len(curve)} curve points, {len(evals)} held-out evaluations")
-    logged = curve.reindex(
-        columns=["ce_0", "ce_sd_0", "branch_steps"]
-    )  # NaN in states from before they were logged
+    # NaN in states from before these were logged
+    logged = curve.reindex(columns=["ce_0", "ce_sd_0", "branch_steps"])
     inputs = curve[["drafter", "budget_step", "tokens", "n_0", "acc_0"]].assign(
         branch_steps=logged["branch_steps"],
         ce_0=logged["ce_0"],
@@ -136,8 +134,8 @@ def main() -> None:
     committed = pd.read_csv(data / "learning_curves.csv")
     where = {r.rpartition(":")[2]: Path(r.rpartition(":")[0] or REPO_ROOT) for r in args.rows}
     labels = {r: (f"{r}@here" if r in set(committed["drafter"]) else r) for r in where}
-    saved = [saved_points(root / "runs" / plan.run_name, r, labels[r]) for r, root in where.items()]
-    saved = {k: pd.concat([t[k] for t in saved], ignore_index=True) for k in saved[0]}
+    states = [saved_points(root / "runs" / plan.run_name, r, labels[r]) for r, root in where.items()]
+    saved = {k: pd.concat([t[k] for t in states], ignore_index=True) for k in states[0]}
     here, verdicts = saved["curve"], saved["convergence"]
     heldout = pd.read_csv(data / "heldout_eval.csv")
     heldout = pd.concat([saved["heldout"]] + [heldout[heldout["drafter"].isin(args.against)]])
@@ -161,9 +159,8 @@ def main() -> None:
     acc0 = heldout.pivot_table(index="step", columns="drafter", values="acc_0")
     last = heldout.loc[heldout["drafter"].isin(names), "step"].max()  # as far as the saved rows have come
     print(acc0[acc0.index <= last].to_string(float_format="%.4f"))
-    print(
-        saved["points"].to_string(index=False, float_format="%.4f")
-    )  # the annealed points: acc_0, cross-entropy
+    # the annealed points, with cross-entropy, and the rate so far
+    print(saved["points"].to_string(index=False, float_format="%.4f"))
     print(saved["progress"].to_string(index=False, float_format="%.2f"))
     print(verdicts.to_string(index=False, float_format="%.4f"))  # the convergence rule over the points so far
     if args.out:
