@@ -27,6 +27,8 @@ from .convergence import (
     plateau,
     plateau_step,
     run_summary,
+    se_acc,
+    se_ce,
     stable_plateau,
 )
 from .data import init_from_checkpoint
@@ -82,6 +84,8 @@ __all__ = [
     "annealed_plateau",
     "converged_budget",
     "convergence_table",
+    "se_acc",
+    "se_ce",
     "EvalSet",
     "BranchOutcome",
     "branch_outcomes",

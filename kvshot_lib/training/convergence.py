@@ -254,12 +254,14 @@ HALF = (
 )
 
 
-def _se_acc(p: dict) -> float:
+def se_acc(p: dict) -> float:
+    """The binomial standard error of an evaluation's held-out acc_0."""
     a, n = float(p["acc_0"]), max(float(p["n_0"]), 1.0)
     return math.sqrt(max(a * (1 - a), 1e-12) / n)
 
 
-def _se_ce(p: dict) -> float:
+def se_ce(p: dict) -> float:
+    """The standard error of an evaluation's held-out cross-entropy (``ce_sd_0``, else :data:`CE_SD_PER_MEAN`)."""
     sd = p.get("ce_sd_0")
     sd = float(sd) if sd is not None and sd == sd else CE_SD_PER_MEAN * float(p["ce_0"])
     return sd / math.sqrt(max(float(p["n_0"]), 1.0))
@@ -285,10 +287,10 @@ def annealed_plateau(points: list[dict], z: float = 2.0) -> dict:
         return out
     ref = back[-1]
     acc_gain = float(last["acc_0"]) - float(ref["acc_0"])
-    acc_noise = z * math.hypot(_se_acc(last), _se_acc(ref))
+    acc_noise = z * math.hypot(se_acc(last), se_acc(ref))
     has_ce = all(p.get("ce_0") is not None and p.get("ce_0") == p.get("ce_0") for p in (last, ref))
     ce_gain = float(ref["ce_0"]) - float(last["ce_0"]) if has_ce else None
-    ce_noise = z * math.hypot(_se_ce(last), _se_ce(ref)) if has_ce else None
+    ce_noise = z * math.hypot(se_ce(last), se_ce(ref)) if has_ce else None
     done = acc_gain < acc_noise and (not has_ce or ce_gain < ce_noise)
     out.update(
         verdict="converged" if done else "compute-limited",

@@ -37,7 +37,7 @@ import pandas as pd
 from kvshot_lib.evaluation import curve_table, gap_by_budget
 from kvshot_lib.reference import load_plan
 from kvshot_lib.target import REPO_ROOT, machine_record, resolve_precision
-from kvshot_lib.training import convergence_table, read_train_state
+from kvshot_lib.training import convergence_table, read_train_state, se_acc, se_ce
 
 # a longer gap between two logged steps held an evaluation or a decay branch (or the start)
 PLAIN_STEP_S = 30.0
@@ -64,13 +64,14 @@ def saved_points(run_dir: Path, row: str, label: str) -> dict[str, pd.DataFrame]
     curve = pd.DataFrame(meta["logs"]["curve"]).assign(**label_cols)
     evals = pd.DataFrame(meta["logs"].get("eval", [])).assign(**label_cols)
     print(f"{label}: step {meta['step']} saved, {len(curve)} curve points, {len(evals)} held-out evaluations")
-    # NaN in states from before these were logged
-    logged = curve.reindex(columns=["ce_0", "ce_sd_0", "branch_steps"])
+    # NaN in states from before these were logged; the standard errors are the rule's own
+    logged = curve.reindex(columns=["ce_0", "branch_steps"])
+    points = curve.to_dict("records")
     inputs = curve[["drafter", "budget_step", "tokens", "n_0", "acc_0"]].assign(
         branch_steps=logged["branch_steps"],
         ce_0=logged["ce_0"],
-        acc_se_0=(curve["acc_0"] * (1 - curve["acc_0"]) / curve["n_0"]) ** 0.5,
-        ce_se_0=logged["ce_sd_0"] / curve["n_0"] ** 0.5,
+        acc_se_0=[se_acc(p) for p in points],
+        ce_se_0=[se_ce(p) if pd.notna(p.get("ce_0")) else None for p in points],
         saved_step=meta["step"],
     )
     history = pd.DataFrame(meta["logs"].get("history", []), columns=["seconds", "tokens"])
