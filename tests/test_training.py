@@ -198,6 +198,8 @@ def test_store_without_the_needed_layers_is_refused(tiny_llama, tokenizer, tmp_p
         (dict(paradigm="kv", regime="ttt", n_layers=5), "n_layers must be in 1..4"),
         (dict(paradigm="kv", regime="ttt", grad_scale={"kv": 50}), "unknown parameter groups \\['kv'\\]"),
         (dict(paradigm="kv", regime="ttt", branch_fraction=0), "branch_fraction must be in"),
+        (dict(paradigm="hidden", regime="ttt", answer_start_weight=0.0), "answer_start_weight=0.0"),
+        (dict(paradigm="hidden", regime="ttt", answer_start_tokens=0), "answer_start_tokens=0"),
         (dict(regime="ttt"), "missing 'paradigm'"),
     ],
 )

@@ -13,7 +13,7 @@ from kvshot_lib.drafters import (
     segmented_attention,
     ttt_attention_mask,
 )
-from kvshot_lib.training import batch_from_target, regime_loss
+from kvshot_lib.training import TrainConfig, answer_positions, batch_from_target, regime_loss
 
 # Rows: (step k, branch i) step-major for n=3 branches, K=3 steps; columns: own keys (step s, index j).
 HAND_HIDDEN = [
@@ -157,6 +157,44 @@ def test_loss_matches_direct_reference(tiny_llama, sequence, paradigm, kv_mode, 
     reference = sum(w * m for w, m in zip(weights, means))
     torch.testing.assert_close(loss, reference, atol=1e-4, rtol=1e-5)
     assert parts["n"] == [len(x) for x in per_step]
+
+
+def test_answer_positions_by_hand():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1], [1, 1, 0, 1, 0, 0, 0, 1]], dtype=torch.bool)
+    assert answer_positions(mask).tolist() == [[-1, -1, 0, 1, 2, -1, 0, 1], [0, 1, -1, 0, -1, -1, -1, 0]]
+
+
+def test_answer_start_weight_is_the_weighted_mean_of_the_two_parts(tiny_llama):
+    """Weighing each answer's first n tokens by w gives, at every step, (w S_a + S_b) / (w n_a + n_b), where
+    S_a / n_a and S_b / n_b are the plain losses with the mask cut to the answers' starts and to the rest."""
+    ids = torch.randint(0, 3000, (20,), generator=torch.Generator().manual_seed(5))
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    n, w, K = 3, 4.0, 3
+    starts = mask & (answer_positions(mask) < n)
+    cfg = drafter_config_for(tiny_llama, "hidden", draft_vocab_size=512)
+    d = build_drafter(cfg, tiny_llama, torch.arange(512) * 7, seed=0).eval()
+
+    def loss(m, answer_start=(0, 1.0)):
+        batch = batch_from_target(tiny_llama, ids, m, cfg)
+        return regime_loss(d, batch, d(batch, K), "ttt", 0.8, answer_start=answer_start)
+
+    weighted, parts = loss(mask, (n, w))
+    plain, plain_parts = loss(mask)
+    _, a = loss(starts)
+    _, b = loss(mask & ~starts)
+    assert min(a["n"]) > 0 and min(b["n"]) > 0  # both parts count at every step
+    want = sum(
+        0.8**k * (w * ca * na + cb * nb) / (w * na + nb)
+        for k, (ca, na, cb, nb) in enumerate(zip(a["ce"], a["n"], b["ce"], b["n"]))
+    )
+    weighted, plain = float(weighted.detach()), float(plain.detach())
+    assert weighted == pytest.approx(want, rel=1e-5)
+    assert weighted != pytest.approx(plain, rel=5e-5)  # the weight moved it (an untrained drafter: a little)
+    assert parts["ce"] == pytest.approx(plain_parts["ce"])  # the logged cross-entropy stays the plain mean
+    # a config at the default weight saves as runs did before the keys existed; a set one is saved and read back
+    assert "answer_start_weight" not in TrainConfig("hidden", "ttt").as_dict()
+    starts = TrainConfig("hidden", "ttt", answer_start_weight=w, answer_start_tokens=n)
+    assert TrainConfig.from_params(starts.as_dict()) == starts
 
 
 def test_block_kv_alignment_against_direct_reference(tiny_llama, sequence):

@@ -30,7 +30,7 @@ import torch
 from ..corpus.sharegpt import TokenizedSplit
 from ..decoding.config import GenerationResult
 from ..evaluation.acceptance import Reference
-from ..training import EvalSet, branch_outcomes
+from ..training import EvalSet, answer_positions, branch_outcomes
 
 POSITION_BINS = (0, 16, 32, 64, 10**9)  # answer position of the predicted token: 0-15, 16-31, 32-63, 64+
 P1_BINS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0 + 1e-9)  # the target's top-1 probability at the predicted token
@@ -47,16 +47,6 @@ def reference_split(refs: list[Reference], answer_lengths: list[int] | None = No
     digest = hashlib.sha256(b"".join(x.numpy().tobytes() for x in ids)).hexdigest()[:16]
     spec = dict(source="mtbench greedy references", n=len(refs), content=digest)
     return TokenizedSplit(ids, masks, [f"{r.question_id}-{r.turn}" for r in refs], spec)
-
-
-def answer_positions(loss_mask: torch.Tensor) -> torch.Tensor:
-    """``[T]``: each assistant token's index within its own answer (a run of the mask), -1 elsewhere."""
-    pos = torch.full(loss_mask.shape, -1, dtype=torch.long)
-    run = -1
-    for t, inside in enumerate(loss_mask.tolist()):
-        run = run + 1 if inside else -1
-        pos[t] = run
-    return pos
 
 
 def cycle_start_positions(result: GenerationResult) -> list[int]:

@@ -69,7 +69,14 @@ from .loop import (
     read_logs,
     train_drafter,
 )
-from .losses import branch_valid, regime_loss, sample_anchors, sample_branches, step_mask
+from .losses import (
+    answer_positions,
+    branch_valid,
+    regime_loss,
+    sample_anchors,
+    sample_branches,
+    step_mask,
+)
 from .online import OnlineBatches, online_eval_set, target_batch
 from .schedule import SCHEDULES, curve_steps, lr_factor, run_end
 from .state import read_train_state
@@ -131,6 +138,7 @@ __all__ = [
     "read_logs",
     "read_train_state",
     "regime_loss",
+    "answer_positions",
     "run_end",
     "run_summary",
     "sample_anchors",

@@ -29,7 +29,13 @@ DATA_SOURCES = ("store", "online")
 STOP_METRICS = ("mat", "acc_0")
 # Parameters added after runs were saved with the rest: as_dict() leaves each out at its default, so that those
 # runs' saved configs still match (a finished row is read back, a killed one resumes) and their hashes hold.
-ADDED_LATER = {"plateau_min_steps": 0, "converge_z": 0.0, "tokens_before": 0}
+ADDED_LATER = {
+    "plateau_min_steps": 0,
+    "converge_z": 0.0,
+    "tokens_before": 0,
+    "answer_start_weight": 1.0,
+    "answer_start_tokens": 64,
+}
 
 
 class TrainConfigError(ValueError):
@@ -91,6 +97,10 @@ class TrainConfig:
         "auto"  # "auto" (bf16 where a probe measures it faster: target/precision.py) | "no" | "bf16" | "fp16"
     )
     seed: int = 0
+    # the loss weight of the tokens among each answer's first answer_start_tokens (1 = every token alike; MT-bench
+    # measures 64-token answers, whose starts a drafter trained on whole answers predicts worst)
+    answer_start_weight: float = 1.0
+    answer_start_tokens: int = 64
     # regime
     ttt_steps: int = 7  # K: unrolled steps (ttt, ttt_dense) or drafted block length (parallel); tf uses 1
     step_decay: float | None = (
@@ -243,6 +253,11 @@ class TrainConfig:
         if self.tokens_before < 0:
             bad(
                 f"tokens_before={self.tokens_before}: the token-passes the starting weights saw, a count >= 0."
+            )
+        if not self.answer_start_weight > 0 or self.answer_start_tokens < 1:
+            bad(
+                f"answer_start_weight={self.answer_start_weight}, answer_start_tokens={self.answer_start_tokens}: "
+                "a weight > 0 (1 = every answer token alike) on each answer's first >= 1 tokens."
             )
         if self.curve_points and not self.eval_sequences:
             bad("curve_points needs held-out evaluations (eval_sequences >= 1).")

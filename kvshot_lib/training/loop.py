@@ -81,7 +81,14 @@ class Objective(nn.Module):
                 batch, c.n_train_steps, detach_chain=c.detach_chain, recorder=recorder, branches=branches
             )
             return regime_loss(
-                self.drafter, batch, un, c.regime, c.step_decay, c.feature_loss_weight, c.kv_align_weight
+                self.drafter,
+                batch,
+                un,
+                c.regime,
+                c.step_decay,
+                c.feature_loss_weight,
+                c.kv_align_weight,
+                (c.answer_start_tokens, c.answer_start_weight),
             )
 
 

@@ -48,6 +48,23 @@ def target_probs(final_hidden: Tensor, head: Tensor) -> Tensor:
         return torch.softmax(final_hidden.float() @ head.float().T, dim=-1)
 
 
+def answer_positions(loss_mask: Tensor) -> Tensor:
+    """``[..., T]``: each assistant token's index within its own answer (a run of the mask), -1 elsewhere."""
+    m = loss_mask.bool()
+    idx = torch.arange(m.shape[-1], device=m.device).expand(m.shape)
+    prev = torch.cat([torch.zeros_like(m[..., :1]), m[..., :-1]], dim=-1)
+    run_start = torch.where(m & ~prev, idx, torch.zeros_like(idx)).cummax(dim=-1).values
+    return torch.where(m, idx - run_start, torch.full_like(idx, -1))
+
+
+def answer_start_weights(batch: TrainBatch, tokens: int, weight: float) -> Tensor | None:
+    """``[B, T]``: ``weight`` on each answer's first ``tokens`` tokens, 1 elsewhere (None when ``weight`` is 1)."""
+    if weight == 1.0:
+        return None
+    pos = answer_positions(batch.loss_mask)  # [B, T]
+    return torch.where((pos >= 0) & (pos < tokens), float(weight), 1.0)
+
+
 def step_mask(batch: TrainBatch, k: int) -> Tensor:
     """``[B, N]``: branch ``i`` counts at step ``k`` if token ``i+2+k`` exists and is an assistant token."""
     B, T = batch.ids.shape
@@ -145,13 +162,17 @@ def regime_loss(
     step_decay: float,
     feature_loss_weight: float = 0.0,
     kv_align_weight: float = 0.0,
+    answer_start: tuple[int, float] = (0, 1.0),
 ) -> tuple[Tensor, dict]:
     """The regime's total loss and its parts (per-step CE and top-1 agreement with the target).
 
     Logits are computed only for the rows that count (assistant tokens), which is most of the cost saved
-    on a CPU: the draft LM head and its softmax dominate a one-layer drafter.
+    on a CPU: the draft LM head and its softmax dominate a one-layer drafter. ``answer_start = (n, w)`` weighs
+    the predicted tokens among each answer's first ``n`` by ``w`` in each step's cross-entropy (a weighted mean,
+    so the loss keeps its scale); the logged ``ce`` stays the plain mean.
     """
     N = batch.ids.shape[1] - 1
+    weights = answer_start_weights(batch, *answer_start)  # [B, T] or None
     with torch.no_grad():  # the target's side, once per batch (not once per unrolled step)
         probs = target_probs(batch.final_hidden, drafter.head)  # [B, T, V_draft]
         top = probs.argmax(-1)  # [B, T] the target's greedy draft-vocabulary token
@@ -164,9 +185,14 @@ def regime_loss(
         p_k = at_rows(shifted(probs, 1 + k, N), rows)[mask]  # [M, V_draft]
         n = int(mask.sum())
         logp = torch.log_softmax(logits.float(), dim=-1)  # [M, V_draft]
-        ce = -(p_k * logp).sum() / max(n, 1)
+        ce_rows = -(p_k * logp).sum(-1)  # [M]
+        ce = ce_rows.sum() / max(n, 1)
+        trained = ce  # what this step's term of the loss is: the mean, or the answer-start weighted mean
+        if weights is not None:
+            w = at_rows(shifted(weights, 2 + k, N), rows)[mask]  # [M] each predicted token's weight
+            trained = (w * ce_rows).sum() / w.sum().clamp_min(1e-12)
         weight = 1.0 if regime == "ttt_dense" else step_decay**k
-        total = total + weight * ce
+        total = total + weight * trained
         with torch.no_grad():
             agree = int((logp.argmax(-1) == at_rows(shifted(top, 1 + k, N), rows)[mask]).sum())
             entropy = float(at_rows(shifted(ent, 1 + k, N), rows)[mask].sum()) / max(n, 1)
