@@ -215,3 +215,23 @@ def test_query_error_at_init_pairs_two_drafters_on_the_same_turns():
     assert got.loc[-1, "drafter_mean"] == pytest.approx(15 / 6)  # a's mean, the "drafter" side
     assert got.loc[-1, "stale_mean"] == pytest.approx(8.5 / 6)  # b's mean, the baseline side
     assert set(got["drafter"]) == {"a - b"} and set(got["metric"]) == {"out_err"}
+
+
+def test_mtbench_gap_measures_named_checkpoints_and_keeps_the_other_drafters_rows(tmp_path):
+    sys.path.insert(0, str(SCRIPTS))
+    import mtbench_gap
+
+    headline = mtbench_gap.drafter_folders(None)
+    assert set(headline) == set(mtbench_gap.DRAFTERS)
+    folder = REPO_ROOT / mtbench_gap.DRAFTERS["hidden31-ttt-s3"]
+    relative = str(folder.relative_to(REPO_ROOT))
+    assert mtbench_gap.drafter_folders([f"mine={relative}"]) == {"mine": folder}
+    with pytest.raises(SystemExit, match="NAME=FOLDER"):
+        mtbench_gap.drafter_folders([relative])
+    with pytest.raises(SystemExit, match="no checkpoint in figures"):
+        mtbench_gap.drafter_folders(["mine=figures"])
+    table = tmp_path / "gap.csv"
+    pd.DataFrame(dict(drafter=["a", "b", "b"], value=[1, 2, 3])).to_csv(table, index=False)
+    new = pd.DataFrame(dict(drafter=["b", "c"], value=[5, 6]))
+    assert mtbench_gap.merged(table, new).values.tolist() == [["a", 1], ["b", 5], ["c", 6]]
+    assert mtbench_gap.merged(tmp_path / "none.csv", new) is new

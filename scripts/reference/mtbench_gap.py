@@ -8,15 +8,20 @@ the chain replay's alpha_0 on the same references, and the gap between them spli
 distribution and cycle weighting. Writes, under ``figures/onpolicy/data/``: ``mtbench_gap.csv`` (the
 decomposition with 95% bootstrap intervals), ``mtbench_gap_bins.csv`` (accuracy by answer position, turn and the
 target's top-1 probability, steps 0-6, both sets) and ``ce_spread.json`` (the per-token cross-entropy spread the
-convergence rule falls back on); then draws ``figures/onpolicy/04_mtbench_gap``.
+convergence rule falls back on); then draws ``figures/onpolicy/04_mtbench_gap``. ``--drafter NAME=FOLDER`` (repeated)
+measures other checkpoints instead, e.g. a row's under ``runs/``; their rows replace their own in the tables and the
+other drafters' rows stay.
 
     .venv/bin/python scripts/reference/mtbench_gap.py        # about 20 minutes on 2 CPU cores
+    .venv/bin/python scripts/reference/mtbench_gap.py --drafter hidden31-ttt-noloop-ft=runs/onpolicy/drafters/hidden31-ttt-noloop-ft
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -50,7 +55,33 @@ CAPTION = (
 )
 
 
+def drafter_folders(specs: list[str] | None) -> dict[str, Path]:
+    """``{name: folder}`` from ``NAME=FOLDER`` arguments (a folder relative to the repository), else the
+    headline drafters'; exits with a one-line message on a malformed one or a folder without a checkpoint."""
+    pairs = [spec.split("=", 1) for spec in specs] if specs else list(DRAFTERS.items())
+    folders = {}
+    for pair in pairs:
+        if len(pair) != 2 or not pair[0]:
+            sys.exit(f"--drafter takes NAME=FOLDER, got {'='.join(pair)!r}.")
+        folder = assets.REPO_ROOT / pair[1]
+        if not (folder / "config.json").is_file():
+            sys.exit(f"--drafter {pair[0]}: no checkpoint in {pair[1]} (no config.json); train it first.")
+        folders[pair[0]] = folder
+    return folders
+
+
+def merged(path: Path, new: pd.DataFrame) -> pd.DataFrame:
+    """``new`` in place of its drafters' rows of the table at ``path`` (when there is one)."""
+    if not path.is_file():
+        return new
+    old = pd.read_csv(path)
+    return pd.concat([old[~old["drafter"].isin(set(new["drafter"]))], new], ignore_index=True)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafter", action="append", metavar="NAME=FOLDER", help="a checkpoint to measure")
+    folders = drafter_folders(ap.parse_args().drafter)
     torch.manual_seed(0)
     plan = ref_plan.load_plan("onpolicy")
     d, e, steps = plan.data, plan.eval, 7
@@ -78,7 +109,7 @@ def main() -> None:
     )
     base = DecodeConfig(max_new_tokens=e["max_new_tokens"], seed=plan.seed, chain_depth=e["chain_depth"])
     chain = acceptance.mode_configs(base, ["chain"])
-    drafters = {name: load_drafter(assets.REPO_ROOT / path, target) for name, path in DRAFTERS.items()}
+    drafters = {name: load_drafter(folder, target) for name, folder in folders.items()}
     runs = {run.drafter: run for run in acceptance.run_greedy_replay(target, drafters, refs, chain)}
     lengths = [len(res.token_ids) for res in next(iter(runs.values())).results]  # greedy: the same for all
     mt_split = reference_split(refs, lengths)
@@ -117,10 +148,12 @@ def main() -> None:
             n=len(h0),
         )
     out = assets.REPO_ROOT / "figures" / "onpolicy" / "data"
-    pd.concat(gaps, ignore_index=True).to_csv(out / "mtbench_gap.csv", index=False)
-    pd.concat(bins, ignore_index=True).to_csv(out / "mtbench_gap_bins.csv", index=False)
-    spread["machine"] = dict(precision="float32", threads=torch.get_num_threads())
-    (out / "ce_spread.json").write_text(json.dumps(spread, indent=1) + "\n")
+    for name, parts in (("mtbench_gap.csv", gaps), ("mtbench_gap_bins.csv", bins)):
+        merged(out / name, pd.concat(parts, ignore_index=True)).to_csv(out / name, index=False)
+    spread_path = out / "ce_spread.json"
+    old = json.loads(spread_path.read_text()) if spread_path.is_file() else {}
+    spread = {**old, **spread, "machine": dict(precision="float32", threads=torch.get_num_threads())}
+    spread_path.write_text(json.dumps(spread, indent=1) + "\n")
     print(pd.concat(gaps).to_string())
     captions = json.loads((out / "captions.json").read_text())
     captions["04_mtbench_gap"] = CAPTION
