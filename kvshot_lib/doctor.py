@@ -10,21 +10,14 @@ status is 1 if an asset is missing or does not load. ``tests/test_doctor.py`` ru
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from .corpus import load_mtbench, read_sharegpt_records
 from .corpus.vllm_engine import serve_python
 from .evaluation import machine_info
-from .target import REPO_ROOT, MissingAssetError, assets
+from .target import MissingAssetError, assets, repo_relative
 from .target.precision import cpu_flags
 
 ISA_SHOWN = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
-def shown_path(path: Path) -> str:
-    """``path`` relative to the checkout where it lies inside it."""
-    path = Path(path)
-    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
 def machine_lines() -> list[str]:
@@ -59,7 +52,7 @@ def smollm2_converted() -> str:
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         n_tensors = len(list(f.keys()))
-    return f"{shown_path(folder)}: {n_tensors} tensors, a tokenizer of {len(tokenizer):,} tokens"
+    return f"{repo_relative(folder)}: {n_tensors} tensors, a tokenizer of {len(tokenizer):,} tokens"
 
 
 def sharegpt() -> str:

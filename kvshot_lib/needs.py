@@ -35,7 +35,7 @@ from .run_time import (
     tokens_per_sequence,
     trained_specs,
 )
-from .target import REPO_ROOT, cache_dir, target_shape
+from .target import REPO_ROOT, cache_dir, repo_relative, target_shape
 
 GIB, GB = 2**30, 1e9
 
@@ -248,10 +248,6 @@ def shortfall(needs: list[Need], hand: dict) -> str | None:
     return "; ".join(short) or None
 
 
-def _shown(path: Path) -> str:
-    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
-
-
 def rates_line(context: dict) -> str:
     """Where the time estimates come from: the file, the machine and target it measured, any scaling."""
     path, rates = context["rates_file"], context["rates"]
@@ -265,7 +261,7 @@ def rates_line(context: dict) -> str:
         machine.get("gpu")
         or f"{machine.get('cpu')}, {machine.get('cores')} cores, {machine.get('torch_threads')} torch thread(s)"
     )
-    line = f"rates: {_shown(path)} (measured on {where}, target {r.get('target', {}).get('name') or r.get('scale')}"
+    line = f"rates: {repo_relative(path)} (measured on {where}, target {r.get('target', {}).get('name') or r.get('scale')}"
     line += ", plain decoding with CUDA graphs)" if rates.graphs else ")"
     if not rates.same_target:
         line += f"; scaled x{rates.scale:.3g} to this target by parameters"

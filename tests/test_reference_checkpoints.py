@@ -48,6 +48,27 @@ def test_a_committed_checkpoint_decodes_losslessly(tiny_llama, tmp_path, paradig
         assert generate(tiny_llama, prompt, cfg, drafter).token_ids == plain.token_ids, mode
 
 
+def test_a_committed_checkpoint_names_its_starting_folder_relative_to_the_checkout(tiny_llama, tmp_path):
+    """A row continued from another (``init_from``) trains with that folder's full path; the committed copy keeps
+    it relative to the checkout, the drafter itself keeps the full one, and the run's summary row shows it so too."""
+    from kvshot_lib.training import portable_init
+
+    d = trained_like(tiny_llama, "hidden")
+    start = str(REPO_ROOT / "runs" / "onpolicy" / "drafters" / "hidden31-ttt-noloop-s2")
+    d.cfg.extra = dict(init_from=dict(path=start, copied=["fc.weight"]), train_config=dict(init_from=start))
+    commit_checkpoint(d, tmp_path / "d", max_file_mb=LIMIT_MB)
+    text = (tmp_path / "d" / "config.json").read_text()
+    extra = json.loads(text)["extra"]
+    assert (
+        extra["init_from"]["path"]
+        == extra["train_config"]["init_from"]
+        == "runs/onpolicy/drafters/hidden31-ttt-noloop-s2"
+    )
+    assert str(REPO_ROOT) not in text
+    assert d.cfg.extra["init_from"]["path"] == start
+    assert [portable_init(x) for x in (start, "target", None)] == [extra["init_from"]["path"], "target", ""]
+
+
 def test_the_run_budget_leaves_out_a_checkpoint_that_does_not_fit(tiny_llama, tmp_path):
     first = commit_checkpoint(trained_like(tiny_llama, "hidden"), tmp_path / "a", max_total_mb=0.2)
     assert first["checkpoint"] and (tmp_path / "a" / "config.json").is_file()

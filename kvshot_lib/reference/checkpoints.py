@@ -13,6 +13,7 @@ budget runs out it is the last rows that give way.
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
@@ -37,6 +38,19 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
+def portable_extra(extra: dict) -> dict:
+    """A checkpoint's training metadata with the folder it started from relative to the checkout: committed files
+    hold no path of the machine that trained them."""
+    from ..training import portable_init
+
+    out = copy.deepcopy(extra)
+    if isinstance(out.get("init_from"), dict) and "path" in out["init_from"]:
+        out["init_from"]["path"] = portable_init(out["init_from"]["path"])
+    if "init_from" in out.get("train_config", {}):
+        out["train_config"]["init_from"] = portable_init(out["train_config"]["init_from"]) or None
+    return out
+
+
 def commit_checkpoint(drafter, folder: Path, max_file_mb: float = 16, max_total_mb: float = 60) -> dict:
     """Write ``drafter`` as a committed checkpoint at ``folder`` (``checkpoints/<run>/<row>``) within the limits.
 
@@ -47,7 +61,12 @@ def commit_checkpoint(drafter, folder: Path, max_file_mb: float = 16, max_total_
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_drafter(drafter, tmp, dtype=torch.bfloat16, max_file_bytes=int(max_file_mb * MB) - HEADER_MARGIN)
+    extra = drafter.cfg.extra
+    drafter.cfg.extra = portable_extra(extra)
+    try:
+        save_drafter(drafter, tmp, dtype=torch.bfloat16, max_file_bytes=int(max_file_mb * MB) - HEADER_MARGIN)
+    finally:
+        drafter.cfg.extra = extra
     size = folder_bytes(tmp)
     big = [f.name for f in tmp.iterdir() if f.stat().st_size > max_file_mb * MB]
     others = sum(folder_bytes(p) for p in _beside(folder))

@@ -15,7 +15,7 @@ It hands the loaded target and the captured tensors to ``corpus`` (feature extra
 """
 
 from . import assets
-from .assets import REPO_ROOT, MissingAssetError, cache_dir
+from .assets import REPO_ROOT, MissingAssetError, cache_dir, repo_relative
 from .capture import Captured, capture, decoder_layers
 from .graphs import WIDTHS, capture_seconds, width_for
 from .loading import (
@@ -62,6 +62,7 @@ __all__ = [
     "PRESETS",
     "QWEN3_8B_CONFIG",
     "REPO_ROOT",
+    "repo_relative",
     "SUPPORTED_FAMILIES",
     "StaticKVCache",
     "TINY_CONFIG",

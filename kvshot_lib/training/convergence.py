@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 
 from ..drafters.trainable import TrainableDrafter
+from ..target import repo_relative
 from .schedule import decay_start, run_end
 
 
@@ -202,6 +203,11 @@ def _restored(row: dict) -> bool:
     return v is not None and v == v  # not None, not NaN (CSV round trip)
 
 
+def portable_init(init_from: str | None) -> str:
+    """A config's ``init_from`` as committed files show it: a checkpoint folder relative to the checkout."""
+    return repo_relative(init_from) if init_from and init_from != "target" else init_from or ""
+
+
 def run_summary(result) -> dict:
     """One row per finished run: what it saw, how long it took, where it ended and whether it had converged."""
     cfg, logs = result.config, result.logs
@@ -216,7 +222,7 @@ def run_summary(result) -> dict:
         kv_mode=cfg.kv_mode,
         seed=cfg.seed,
         data_source=cfg.data_source,
-        init_from=cfg.init_from or "",
+        init_from=portable_init(cfg.init_from),
         steps_trained=len(history),
         train_steps=cfg.train_steps,
         train_tokens=sum(h["tokens"] for h in history),
