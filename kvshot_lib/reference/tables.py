@@ -176,8 +176,10 @@ def derived_tables(tables: dict, comparisons=(), baseline_pairs=()) -> dict[str,
     gens = tables["acceptance_generations.csv"]
     if not gens.empty:  # pairs whose drafters were not both evaluated are left out
         ngram = [("drafter - n-gram", d, "ngram") for d in gens["drafter"].unique() if d != "ngram"]
+        known = {(a, b) for _, a, b in pairs}  # a plan's pair between rows without a learning curve, as well
+        plan = [(f"{a} - {b}", a, b) for a, b in comparisons if (a, b) not in known]
         other = [(f"{a} - {b}", a, b) for a, b in baseline_pairs]
-        out["mat_differences.csv"] = paired_mat_difference(gens, ngram + pairs + other)
+        out["mat_differences.csv"] = paired_mat_difference(gens, ngram + pairs + plan + other)
     if not points.empty:
         out["convergence.csv"] = convergence_table(points)
     out["reference_table.csv"] = reference_table(tables)
