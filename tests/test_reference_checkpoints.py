@@ -50,7 +50,7 @@ def test_a_committed_checkpoint_decodes_losslessly(tiny_llama, tmp_path, paradig
 
 def test_a_committed_checkpoint_names_its_starting_folder_relative_to_the_checkout(tiny_llama, tmp_path):
     """A row continued from another (``init_from``) trains with that folder's full path; the committed copy keeps
-    it relative to the checkout, the drafter itself keeps the full one, and the run's summary row shows it so too."""
+    it relative to the checkout, the drafter itself keeps the full one, and the summary row's helper gives the same."""
     from kvshot_lib.training import portable_init
 
     d = trained_like(tiny_llama, "hidden")

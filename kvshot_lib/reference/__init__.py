@@ -15,9 +15,10 @@ from .checkpoints import commit_checkpoint, folder_bytes
 from .heldout import cross_heldout, heldout_sets
 from .plan import Plan, PlanError, Row, load_plan
 from .run import run_reference, status
-from .tables import update_run
+from .tables import replace_rows, update_run
 
 __all__ = [
+    "replace_rows",
     "Plan",
     "PlanError",
     "Row",

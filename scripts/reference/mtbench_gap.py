@@ -40,6 +40,7 @@ from kvshot_lib.drafters import load_drafter
 from kvshot_lib.evaluation import acceptance
 from kvshot_lib.reference import data as ref_data
 from kvshot_lib.reference import plan as ref_plan
+from kvshot_lib.reference import replace_rows
 from kvshot_lib.target import assets, load_target
 from kvshot_lib.training import EvalSet
 
@@ -72,10 +73,7 @@ def drafter_folders(specs: list[str] | None) -> dict[str, Path]:
 
 def merged(path: Path, new: pd.DataFrame) -> pd.DataFrame:
     """``new`` in place of its drafters' rows of the table at ``path`` (when there is one)."""
-    if not path.is_file():
-        return new
-    old = pd.read_csv(path)
-    return pd.concat([old[~old["drafter"].isin(set(new["drafter"]))], new], ignore_index=True)
+    return replace_rows(pd.read_csv(path), new, ["drafter"]) if path.is_file() else new
 
 
 def main() -> None:
