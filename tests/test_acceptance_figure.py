@@ -171,7 +171,7 @@ def test_on_the_committed_chains_the_band_is_nearly_as_wide_as_the_turn_bootstra
         implied = np.sqrt(reach @ shared @ reach)
         ratios[name] = implied / ((b.loc["mat", "hi"] - b.loc["mat", "lo"]) / 3.92)
     trained = [r for name, r in ratios.items() if name != "ngram"]
-    summary = pd.read_csv(data / "acceptance_summary.csv")
-    assert len(trained) == summary["drafter"].nunique() - 1 and not np.isnan(trained).any()  # every trained drafter
+    drafters = pd.read_csv(data / "acceptance_summary.csv")["drafter"].nunique()
+    assert len(trained) == drafters - 1 and not np.isnan(trained).any()  # every trained drafter
     assert 0.74 <= min(trained) and max(trained) <= 1.01
     assert ratios["ngram"] > 2  # no band is drawn for the n-gram drafter (a faint reference)
