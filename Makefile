@@ -38,7 +38,7 @@ smoke: setup
 	$(BIN)/kvshot run --profile smoke
 
 test: setup lint
-	$(BIN)/pytest -q -m "not slow" --durations=15
+	$(BIN)/pytest -q -m "not slow" -n auto --dist loadfile --durations=15
 
 # The slow tests: every notebook under the smoke profile through papermill, and the checks of what it wrote
 # (about 15 min on 2 cores). CI runs them after make test; make test-all runs both.

@@ -12,6 +12,7 @@ dequantized once into a plain safetensors model folder under the cache (``data/c
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as md
 import json
 import os
@@ -122,14 +123,16 @@ def smollm2_model_dir() -> Path:
         config = LlamaConfig.from_dict(config_dict)
         fresh = LlamaForCausalLM(config)
         fresh.load_state_dict(loaded.state_dict(), strict=True)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # one per process: test workers convert at once
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "kvshot_source.json").write_text(
             json.dumps({"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size}, indent=2)
         )
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        if smollm2_converted_dir() is None:  # else another process finished first
+            shutil.rmtree(out, ignore_errors=True)
+            with contextlib.suppress(OSError):  # it did, just now
+                tmp.rename(out)
+        shutil.rmtree(tmp, ignore_errors=True)
         bar.update()
     return out

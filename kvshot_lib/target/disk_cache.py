@@ -8,6 +8,7 @@ atomically; a read-only cache only costs a re-measurement, so a failed write is 
 from __future__ import annotations
 
 import json
+import os
 
 from .assets import cache_dir
 
@@ -24,7 +25,7 @@ def save_entry(name: str, key: str, value) -> None:
     """Add ``key: value`` to the table ``<cache>/<name>`` (atomically; silently skipped where it cannot write)."""
     path = cache_dir() / name
     try:
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")  # one per process: test workers write at once
         tmp.write_text(json.dumps({**read_table(name), key: value}, indent=1))
         tmp.replace(path)
     except OSError:
