@@ -18,7 +18,6 @@ from .run import run_reference, status
 from .tables import replace_rows, update_run
 
 __all__ = [
-    "replace_rows",
     "Plan",
     "PlanError",
     "Row",
@@ -31,6 +30,7 @@ __all__ = [
     "heldout_sets",
     "load_plan",
     "plan",
+    "replace_rows",
     "run",
     "run_reference",
     "status",
