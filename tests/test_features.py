@@ -159,6 +159,15 @@ def test_a_subset_of_a_store_reads_the_chosen_sequences_in_order(tiny_llama, spl
     assert part.source_ids == [split.source_ids[4], split.source_ids[0]] and part.n_tokens == view.n_tokens
 
 
+def test_two_subsets_of_one_size_never_share_a_store_folder(tiny_llama, split):
+    """A folder is keyed by the split's spec: two subsets of two conversations each must differ in it (they once
+    collided, and only the manifest's shard plan stopped the second from reading the first's features)."""
+    a, b = split.subset([4, 0]), split.subset([1, 2])
+    folder = lambda part: features.default_store_dir(tiny_llama, part, [1], [1], "float32")  # noqa: E731
+    assert a.spec != b.spec and folder(a) != folder(b)
+    assert folder(a) == folder(split.subset([4, 0]))  # and the same subset finds its own folder again
+
+
 def test_a_row_that_keeps_some_conversations_reads_the_whole_store_only_where_it_is_finished(
     tiny_llama, split, tmp_path, monkeypatch
 ):

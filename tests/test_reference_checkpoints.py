@@ -11,7 +11,7 @@ from conftest import assert_reference_checkpoint, trained_like
 
 from kvshot_lib.decoding import DecodeConfig, generate
 from kvshot_lib.drafters import load_drafter
-from kvshot_lib.reference import commit_checkpoint, folder_bytes
+from kvshot_lib.reference import checkpoint_folders, commit_checkpoint, folder_bytes
 from kvshot_lib.target import REPO_ROOT
 
 MB = 10**6  # the limits are in decimal megabytes
@@ -109,3 +109,14 @@ def test_kvshot_generate_takes_a_committed_checkpoint(tiny_llama, tmp_path):
     prompt = tiny_llama.tokenizer("one two three", add_special_tokens=False)["input_ids"]
     plain = generate(tiny_llama, prompt, DecodeConfig(mode="ar", max_new_tokens=12))
     assert out["token_ids"] == plain.token_ids
+
+
+def test_checkpoint_folders_name_what_is_wrong_before_any_work(tmp_path):
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "ok" / "config.json").write_text("{}")
+    assert checkpoint_folders(None, {"a": "ok"}, tmp_path) == {"a": tmp_path / "ok"}
+    assert checkpoint_folders(["b=ok"], {"a": "missing"}, tmp_path) == {"b": tmp_path / "ok"}
+    with pytest.raises(ValueError, match="NAME=FOLDER, got 'ok'"):
+        checkpoint_folders(["ok"], {}, tmp_path)
+    with pytest.raises(ValueError, match="--drafter a: no checkpoint in missing"):
+        checkpoint_folders(None, {"a": "missing"}, tmp_path)

@@ -142,13 +142,16 @@ class TokenizedSplit:
         )
 
     def subset(self, indices) -> TokenizedSplit:
-        """The conversations ``indices``, in that order (the spec records how many were kept)."""
+        """The conversations ``indices``, in that order. The spec records how many were kept and which (a digest of
+        their source ids), so that two subsets of one split never share a feature store's folder."""
         pick = [int(i) for i in indices]
+        sources = [self.source_ids[i] for i in pick]
+        which = hashlib.sha256("\n".join(sources).encode()).hexdigest()[:12]
         return TokenizedSplit(
             [self.ids[i] for i in pick],
             [self.loss_mask[i] for i in pick],
-            [self.source_ids[i] for i in pick],
-            dict(self.spec, subset=len(pick)),
+            sources,
+            dict(self.spec, subset=len(pick), subset_ids=which),
             self.counts,
         )
 

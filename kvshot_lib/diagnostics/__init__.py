@@ -8,6 +8,7 @@
 * hidden-vs-KV information probes (notebook 01), equal-size probes reading the hidden state or the KV cache
   at ``t`` out through the frozen LM head, for the target's token at ``t+1+k``: ``probe_data`` (what the
   target holds), ``info_probes`` (the kinds, matched in size), ``probe_training`` and ``probe_stats``;
+* ``memorization``: has a drafter memorized its training answers (seen against unseen conversations)?
 * ``mtbench_gap``: why MT-bench acceptance sits below held-out accuracy (answer position, prompts, cycle starts);
 * ``explorers``: interactive explorers (ipywidgets) for attention and acceptance.
 
@@ -29,6 +30,7 @@ from .causal_check import (
 from .drafter_hooks import TargetAttentionRecorder, drafter_queries, head_map, query_in_key_space
 from .explorers import AcceptanceExplorer, AttentionExplorer, has_widget_frontend, show
 from .info_probes import KINDS, ProbeBank, ProbeDims, Readout, probe_widths
+from .memorization import paired_difference, per_sequence, seen_unseen_gap
 from .mtbench_gap import (
     answer_positions,
     binned_accuracy,
@@ -64,6 +66,9 @@ __all__ = [
     "gap_table",
     "outcome_rows",
     "reference_split",
+    "paired_difference",
+    "per_sequence",
+    "seen_unseen_gap",
     "AcceptanceExplorer",
     "AttentionExplorer",
     "ESTIMATORS",

@@ -88,3 +88,49 @@ def _short(label: str) -> str:
     if "." in lo or "." in hi:
         return f"{float(lo):.1f}-{min(float(hi), 1.0):.1f}".replace("0.", ".")
     return f"{lo}-{int(hi) - 1}"
+
+
+UNSEEN = {"later training conversations": ("o", "-"), "held-out split": ("s", ":")}  # marker, line style
+
+
+def plot_memorization_gap(gap: pd.DataFrame, paired: pd.DataFrame | None = None):
+    """Seen minus unseen conversations per draft step, accuracy and cross-entropy, 95% intervals: one line per
+    drafter and unseen set (later training conversations solid, the held-out split dotted); a memorizing drafter
+    sits above zero in accuracy and below it in cross-entropy. With ``paired`` (``memorization_paired.csv``), a
+    third panel: how much more one drafter gains on its seen conversations than another, paired by conversation."""
+    drafters = pick_drafters(gap[["drafter"]].drop_duplicates(), MAX_SERIES // len(UNSEEN))
+    looks = _looks(drafters)
+    panels = [("acc", "accuracy, seen - unseen"), ("ce", "cross-entropy, seen - unseen")]
+    fig, axes = plt.subplots(
+        1, 2 + (paired is not None), figsize=(PAGE * (0.9 if paired is None else 1.15), 2.5)
+    )
+    for ax, (measure, label) in zip(axes, panels):
+        for d in drafters:
+            for j, (unseen, (marker, ls)) in enumerate(UNSEEN.items()):
+                one = gap[(gap["drafter"] == d) & (gap["unseen_set"] == unseen) & (gap["measure"] == measure)]
+                if not one.empty:
+                    _gap_line(ax, one, "gap", j, color=looks[d]["color"], marker=marker, ls=ls,
+                              label=f"{d} vs {unseen}")  # fmt: skip
+        ax.set_ylabel(label)
+        ax.set_title(f"memorized? {label.split(',')[0]}")
+    if paired is not None:
+        ax = axes[2]
+        pairs = list(paired[paired["measure"] == "acc"].groupby(["drafter", "minus"], sort=False))
+        for j, ((x, y), one) in enumerate(pairs[:MAX_SERIES]):
+            _gap_line(ax, one, "did", j, color="0.2", marker="D", ls="-")
+            axes[0].plot([], [], color="0.2", marker="D", label=f"paired (right): {x} - {y}")
+        ax.set_ylabel("x - y: seen minus held-out")
+        ax.set_title("paired: accuracy, x - y")
+    for ax in axes:
+        ax.axhline(0, color="0.3", lw=0.6)
+        ax.set_xlabel("draft step k")
+    for extra in left_out(gap, drafters, "memorization_gap.csv"):
+        axes[0].plot([], [], ls="none", label=extra.get_label())
+    return finish_figure(fig, legend_from=axes[0], integer_steps=True)
+
+
+def _gap_line(ax, one: pd.DataFrame, column: str, j: int, **style) -> None:
+    """``one``'s ``column`` by draft step with its 95% interval (``lo``, ``hi``), nudged by ``j`` sideways."""
+    one = one.sort_values("k")
+    err = np.vstack([one[column] - one["lo"], one["hi"] - one[column]])  # [2, steps]
+    ax.errorbar(one["k"] + (j - 0.5) * 0.12, one[column], yerr=err, ms=3, capsize=1.5, **style)

@@ -140,6 +140,15 @@ def _gap_counts(t):
     )
 
 
+def _memorization_counts(t):
+    g = t["memorization_gap.csv"]
+    return (
+        f"{_n_range(g['conversations_seen'])} seen and {_n_range(g['conversations_unseen'])} unseen conversations "
+        "a drafter; bars: 95% bootstrap over conversations, each set resampled on its own (paired: the same "
+        "conversations for both drafters)"
+    )
+
+
 QUERY_ERROR_COLUMNS = ["drafter", "paradigm", "estimator", "variant", "step", "out_err"]
 
 SPECS = [
@@ -498,6 +507,16 @@ SPECS = [
         },
         _gap_counts,
         command="python scripts/reference/mtbench_gap.py",
+    ),
+    FigureSpec(
+        "04_memorization_gap",
+        "04_query_estimation_error",
+        ("memorization_gap.csv",),
+        lambda t: gap.plot_memorization_gap(t["memorization_gap.csv"], t.get("memorization_paired.csv")),
+        {"memorization_gap.csv": ["drafter", "unseen_set", "measure", "k", "gap", "lo", "hi"]},
+        _memorization_counts,
+        optional=("memorization_paired.csv",),
+        command="python scripts/reference/memorization_gap.py",
     ),
 ]
 FIGURES = {s.name: s for s in SPECS}

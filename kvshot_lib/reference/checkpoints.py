@@ -85,3 +85,21 @@ def commit_checkpoint(drafter, folder: Path, max_file_mb: float = 16, max_total_
     tmp.rename(folder)
     files = sorted(f.name for f in folder.iterdir() if f.suffix == ".safetensors")
     return dict(checkpoint=str(folder), checkpoint_mb=round(size / MB, 2), checkpoint_files=len(files))
+
+
+def checkpoint_folders(specs: list[str] | None, defaults: dict[str, str], root: Path) -> dict[str, Path]:
+    """``{name: folder}`` from ``NAME=FOLDER`` arguments (folders relative to ``root``, the repository), else from
+    ``defaults``; a ``ValueError`` with a one-line message for a malformed argument or a folder without a
+    checkpoint (no ``config.json``)."""
+    pairs = [spec.split("=", 1) for spec in specs] if specs else [list(p) for p in defaults.items()]
+    folders = {}
+    for pair in pairs:
+        if len(pair) != 2 or not pair[0]:
+            raise ValueError(f"--drafter takes NAME=FOLDER, got {'='.join(pair)!r}.")
+        folder = root / pair[1]
+        if not (folder / "config.json").is_file():
+            raise ValueError(
+                f"--drafter {pair[0]}: no checkpoint in {pair[1]} (no config.json); train it first."
+            )
+        folders[pair[0]] = folder
+    return folders

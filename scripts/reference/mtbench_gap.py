@@ -38,9 +38,9 @@ from kvshot_lib.diagnostics import (
 )
 from kvshot_lib.drafters import load_drafter
 from kvshot_lib.evaluation import acceptance
+from kvshot_lib.reference import checkpoint_folders, replace_rows
 from kvshot_lib.reference import data as ref_data
 from kvshot_lib.reference import plan as ref_plan
-from kvshot_lib.reference import replace_rows
 from kvshot_lib.target import assets, load_target
 from kvshot_lib.training import EvalSet
 
@@ -56,21 +56,6 @@ CAPTION = (
 )
 
 
-def drafter_folders(specs: list[str] | None) -> dict[str, Path]:
-    """``{name: folder}`` from ``NAME=FOLDER`` arguments (a folder relative to the repository), else the
-    headline drafters'; exits with a one-line message on a malformed one or a folder without a checkpoint."""
-    pairs = [spec.split("=", 1) for spec in specs] if specs else list(DRAFTERS.items())
-    folders = {}
-    for pair in pairs:
-        if len(pair) != 2 or not pair[0]:
-            sys.exit(f"--drafter takes NAME=FOLDER, got {'='.join(pair)!r}.")
-        folder = assets.REPO_ROOT / pair[1]
-        if not (folder / "config.json").is_file():
-            sys.exit(f"--drafter {pair[0]}: no checkpoint in {pair[1]} (no config.json); train it first.")
-        folders[pair[0]] = folder
-    return folders
-
-
 def merged(path: Path, new: pd.DataFrame) -> pd.DataFrame:
     """``new`` in place of its drafters' rows of the table at ``path`` (when there is one)."""
     return replace_rows(pd.read_csv(path), new, ["drafter"]) if path.is_file() else new
@@ -79,7 +64,10 @@ def merged(path: Path, new: pd.DataFrame) -> pd.DataFrame:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter", action="append", metavar="NAME=FOLDER", help="a checkpoint to measure")
-    folders = drafter_folders(ap.parse_args().drafter)
+    try:
+        folders = checkpoint_folders(ap.parse_args().drafter, DRAFTERS, assets.REPO_ROOT)
+    except ValueError as e:
+        sys.exit(str(e))
     torch.manual_seed(0)
     plan = ref_plan.load_plan("onpolicy")
     d, e, steps = plan.data, plan.eval, 7
