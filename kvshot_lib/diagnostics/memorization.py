@@ -6,7 +6,9 @@ accuracy and cross-entropy (:func:`kvshot_lib.training.branch_outcomes`, the hel
 the drafter's own training conversations (``seen``) and on conversations of the same source it never trained on
 (``unseen``: later conversations of the same seeded training split, or the held-out split). :func:`per_sequence`
 sums each conversation's outcomes; :func:`seen_unseen_gap` gives seen minus unseen with a 95% bootstrap interval,
-conversations resampled independently in each set. ``tests/test_memorization.py`` checks both on hand-made cases.
+conversations resampled independently in each set. Conversations differ so much that those intervals are wide, so
+:func:`paired_difference` sets two drafters side by side on the same conversations (one saw them more often),
+where that variation cancels. ``tests/test_memorization.py`` checks all three on hand-made cases.
 """
 
 from __future__ import annotations

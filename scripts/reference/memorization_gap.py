@@ -8,10 +8,13 @@ after stage 2's slice: only a stage-2 row has them) and against the held-out spl
 the row trained (its conversations with looping answers dropped, or each loop cut after its first repetition).
 A data-limited drafter fits what it has seen better than what it has not: the gap grows with its passes over the
 data (stage 2: 5.5 passes over 1.32M tokens; stage 3: 1.2 passes over 6.32M).
-Writes ``figures/onpolicy/data/memorization_gap.csv`` and draws ``figures/onpolicy/04_memorization_gap``.
+Then stage 2's drafter against stage 3's (:data:`PAIR`) on the same conversations, paired: stage 2's seen ones
+(stage 3's drafter trained on them about once) and the held-out ones neither saw. Writes
+``figures/onpolicy/data/memorization_gap.csv`` and ``memorization_paired.csv``, and draws
+``figures/onpolicy/04_memorization_gap``.
 
     # stage 2's checkpoint comes back from git history first (the onpolicy profile's comment says how)
-    .venv/bin/python scripts/reference/memorization_gap.py        # about 25 minutes on 2 CPU cores
+    .venv/bin/python scripts/reference/memorization_gap.py   # ~20 minutes on 2 CPU cores, 14 once features exist
 """
 
 from __future__ import annotations
