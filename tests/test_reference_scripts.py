@@ -221,7 +221,7 @@ def test_mtbench_gap_measures_named_checkpoints_and_keeps_the_other_drafters_row
     sys.path.insert(0, str(SCRIPTS))
     import mtbench_gap
 
-    from kvshot_lib.reference import checkpoint_folders
+    from kvshot_lib.reference import checkpoint_folders, merged_table
 
     # the headline drafters it measures by default are committed (the malformed arguments:
     # test_reference_checkpoints.py)
@@ -229,5 +229,5 @@ def test_mtbench_gap_measures_named_checkpoints_and_keeps_the_other_drafters_row
     table = tmp_path / "gap.csv"
     pd.DataFrame(dict(drafter=["a", "b", "b"], value=[1, 2, 3])).to_csv(table, index=False)
     new = pd.DataFrame(dict(drafter=["b", "c"], value=[5, 6]))
-    assert mtbench_gap.merged(table, new).values.tolist() == [["a", 1], ["b", 5], ["c", 6]]
-    assert mtbench_gap.merged(tmp_path / "none.csv", new) is new
+    assert merged_table(table, new, ["drafter"]).values.tolist() == [["a", 1], ["b", 5], ["c", 6]]
+    assert merged_table(tmp_path / "none.csv", new, ["drafter"]) is new

@@ -14,7 +14,7 @@
 """
 
 from . import acceptance, corpus, decoding, diagnostics, figures, registry, series, specpv, training
-from .figures import FigureDataError, draw, load_tables, publish, redraw
+from .figures import FigureDataError, draw, load_tables, publish, redraw, set_caption
 from .registry import FIGURES, FigureSpec
 from .style import (
     COLUMN,
@@ -53,6 +53,7 @@ __all__ = [
     "registry",
     "save_figure",
     "series",
+    "set_caption",
     "shade_lookalikes",
     "specpv",
     "training",

@@ -93,11 +93,16 @@ def publish(name: str, results_dir: str | Path, figure_dir: str | Path, context:
         src = Path(results_dir) / table
         _read(src, spec, table)  # a clear error before anything is copied
         shutil.copyfile(src, data_dir / table)
-    captions = data_dir / CAPTIONS
+    set_caption(data_dir, name, context)
+    return draw(name, data_dir, figure_dir)
+
+
+def set_caption(data_dir: str | Path, name: str, context: str) -> None:
+    """Record ``context`` as the start of figure ``name``'s caption line in ``data_dir``'s ``captions.json``."""
+    captions = Path(data_dir) / CAPTIONS
     known = json.loads(captions.read_text()) if captions.is_file() else {}
     known[name] = context
     captions.write_text(json.dumps(dict(sorted(known.items())), indent=1) + "\n")
-    return draw(name, data_dir, figure_dir)
 
 
 def redraw(figure_dir: str | Path, out_dir: str | Path | None = None, names=None) -> list[str]:

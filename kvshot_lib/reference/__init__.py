@@ -15,7 +15,7 @@ from .checkpoints import checkpoint_folders, commit_checkpoint, folder_bytes
 from .heldout import cross_heldout, heldout_sets
 from .plan import Plan, PlanError, Row, load_plan
 from .run import run_reference, status
-from .tables import replace_rows, update_run
+from .tables import merged_table, replace_rows, update_run
 
 __all__ = [
     "Plan",
@@ -30,6 +30,7 @@ __all__ = [
     "heldout",
     "heldout_sets",
     "load_plan",
+    "merged_table",
     "plan",
     "replace_rows",
     "run",

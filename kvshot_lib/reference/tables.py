@@ -108,6 +108,11 @@ def replace_rows(old: pd.DataFrame, new: pd.DataFrame, keys: list[str]) -> pd.Da
     return pd.concat([old[~drop], new], ignore_index=True)
 
 
+def merged_table(path: Path, new: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """``new`` in place of its own rows (by ``keys``) of the table at ``path``, where there is one; else ``new``."""
+    return replace_rows(pd.read_csv(path), new, keys) if path.is_file() else new
+
+
 def trained_tables(results, summaries: list[dict], ablation: pd.DataFrame | None = None) -> dict:
     """Notebook 02's tables of trained rows (as notebook 02 writes them), their ``reference_rows.csv`` and,
     for KV readers, their KV ablation (:func:`~kvshot_lib.training.kv_ablation_table`)."""

@@ -20,7 +20,6 @@ Then stage 2's drafter against stage 3's (:data:`PAIR`) on the same conversation
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
@@ -31,7 +30,7 @@ from kvshot_lib import plots
 from kvshot_lib.corpus import cut_looping, extract_features
 from kvshot_lib.diagnostics import paired_difference, per_sequence, seen_unseen_gap
 from kvshot_lib.drafters import load_drafter
-from kvshot_lib.reference import checkpoint_folders, replace_rows
+from kvshot_lib.reference import checkpoint_folders, merged_table
 from kvshot_lib.reference import data as ref_data
 from kvshot_lib.reference import plan as ref_plan
 from kvshot_lib.target import assets, load_target
@@ -125,7 +124,8 @@ def main() -> None:
             )
             print(f"{name} vs {unseen_set}:\n{tables[-1][tables[-1]['k'] == 0].to_string(index=False)}")
     out = assets.REPO_ROOT / "figures" / "onpolicy" / "data"
-    save(out / "memorization_gap.csv", pd.concat(tables, ignore_index=True), ["drafter"])
+    path = out / "memorization_gap.csv"
+    merged_table(path, pd.concat(tables, ignore_index=True), ["drafter"]).to_csv(path, index=False)
     x, y = PAIR
     if x in drafters and y in drafters:  # y on x's seen conversations and x's held-out ones, paired with x
         on = {
@@ -136,16 +136,10 @@ def main() -> None:
             measured[x, "seen"], on["seen"], measured[x, "held-out split"], on["held-out split"]
         ).assign(drafter=x, minus=y, unseen_set="held-out split")
         print(f"{x} - {y}, seen by {x} minus held out:\n{paired[paired['k'] == 0].to_string(index=False)}")
-        save(out / "memorization_paired.csv", paired, ["drafter", "minus"])
-    captions = json.loads((out / "captions.json").read_text())
-    captions["04_memorization_gap"] = CAPTION
-    (out / "captions.json").write_text(json.dumps(dict(sorted(captions.items())), indent=1) + "\n")
+        path = out / "memorization_paired.csv"
+        merged_table(path, paired, ["drafter", "minus"]).to_csv(path, index=False)
+    plots.set_caption(out, "04_memorization_gap", CAPTION)
     plots.draw("04_memorization_gap", out, out.parent)
-
-
-def save(path, new: pd.DataFrame, keys: list[str]) -> None:
-    """``new`` in place of its own rows (by ``keys``) of the table at ``path``, where there is one."""
-    (replace_rows(pd.read_csv(path), new, keys) if path.is_file() else new).to_csv(path, index=False)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import pandas as pd
 import torch
@@ -38,7 +37,7 @@ from kvshot_lib.diagnostics import (
 )
 from kvshot_lib.drafters import load_drafter
 from kvshot_lib.evaluation import acceptance
-from kvshot_lib.reference import checkpoint_folders, replace_rows
+from kvshot_lib.reference import checkpoint_folders, merged_table
 from kvshot_lib.reference import data as ref_data
 from kvshot_lib.reference import plan as ref_plan
 from kvshot_lib.target import assets, load_target
@@ -54,11 +53,6 @@ CAPTION = (
     "SmolLM2-135M-Instruct, float32 · held-out: 64 target-answered ShareGPT conversations, loops cut · "
     "MT-bench: 80 questions x 2 turns, 64 greedy tokens"
 )
-
-
-def merged(path: Path, new: pd.DataFrame) -> pd.DataFrame:
-    """``new`` in place of its drafters' rows of the table at ``path`` (when there is one)."""
-    return replace_rows(pd.read_csv(path), new, ["drafter"]) if path.is_file() else new
 
 
 def main() -> None:
@@ -135,15 +129,15 @@ def main() -> None:
         )
     out = assets.REPO_ROOT / "figures" / "onpolicy" / "data"
     for name, parts in (("mtbench_gap.csv", gaps), ("mtbench_gap_bins.csv", bins)):
-        merged(out / name, pd.concat(parts, ignore_index=True)).to_csv(out / name, index=False)
+        merged_table(out / name, pd.concat(parts, ignore_index=True), ["drafter"]).to_csv(
+            out / name, index=False
+        )
     spread_path = out / "ce_spread.json"
     old = json.loads(spread_path.read_text()) if spread_path.is_file() else {}
     spread = {**old, **spread, "machine": dict(precision="float32", threads=torch.get_num_threads())}
     spread_path.write_text(json.dumps(spread, indent=1) + "\n")
     print(pd.concat(gaps).to_string())
-    captions = json.loads((out / "captions.json").read_text())
-    captions["04_mtbench_gap"] = CAPTION
-    (out / "captions.json").write_text(json.dumps(dict(sorted(captions.items())), indent=1) + "\n")
+    plots.set_caption(out, "04_mtbench_gap", CAPTION)
     plots.draw("04_mtbench_gap", out, out.parent)
 
 
