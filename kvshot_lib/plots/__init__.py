@@ -4,7 +4,7 @@
   paper, the caption line, and :func:`save_figure` (PDF + PNG with no dates, so redraws are byte-identical);
 * :mod:`.series`: which drafters a figure draws and in what order: at most eight lines an axis, legends grouped
   by paradigm and ordered by stage (``tests/test_figure_rules.py`` holds every registered figure to it);
-* one module per notebook family: :mod:`.corpus` (00), :mod:`.diagnostics` (01, 04), :mod:`.training` (02, 05),
+* one module per notebook family: :mod:`.corpus` (00), :mod:`.diagnostics` (01, 04), :mod:`.training` (02), :mod:`.probes` (05), :mod:`.gap` (04's MT-bench gap and memorization),
   :mod:`.acceptance` (03's acceptance by step, and 02's held-out accuracy beside the paper's Table 5),
   :mod:`.decoding` (03's MAT, 06), :mod:`.specpv` (07);
   their functions take the saved tables (DataFrames), never live objects;
@@ -13,7 +13,7 @@
   :func:`redraw` (``kvshot figures``).
 """
 
-from . import acceptance, corpus, decoding, diagnostics, figures, registry, series, specpv, training
+from . import acceptance, corpus, decoding, diagnostics, figures, probes, registry, series, specpv, training
 from .figures import FigureDataError, draw, load_tables, publish, redraw, set_caption
 from .registry import FIGURES, FigureSpec
 from .style import (
@@ -48,6 +48,7 @@ __all__ = [
     "load_tables",
     "paper_style",
     "paper_theme",
+    "probes",
     "publish",
     "redraw",
     "registry",

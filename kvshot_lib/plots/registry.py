@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import acceptance, corpus, decoding, diagnostics, gap, specpv, training
+from . import acceptance, corpus, decoding, diagnostics, gap, probes, specpv, training
 
 
 @dataclass(frozen=True)
@@ -371,7 +371,7 @@ SPECS = [
         "05_grad_group_stats",
         "02_train_drafters",
         ("grad_probes.csv",),
-        lambda t: training.plot_grad_group_stats(t["grad_probes.csv"]),
+        lambda t: probes.plot_grad_group_stats(t["grad_probes.csv"]),
         {"grad_probes.csv": ["drafter", "paradigm", "regime", "step", "group", "rms", "frac_small", "hoyer"]},
         lambda t: "each point: one probed optimizer step (one training batch)",
     ),
@@ -379,7 +379,7 @@ SPECS = [
         "05_kv_vs_other_groups",
         "02_train_drafters",
         ("grad_probes.csv",),
-        lambda t: training.plot_kv_vs_other_groups(t["grad_probes.csv"]),
+        lambda t: probes.plot_kv_vs_other_groups(t["grad_probes.csv"]),
         {"grad_probes.csv": ["drafter", "group", "rms"]},
         lambda t: f"each bar: median over {t['grad_probes.csv']['step'].nunique()} probed steps",
     ),
@@ -387,7 +387,7 @@ SPECS = [
         "05_kv_position_gradients",
         "02_train_drafters",
         ("kv_position_samples.csv", "kv_positions.csv"),
-        lambda t: training.plot_kv_position_gradients(t["kv_position_samples.csv"], t["kv_positions.csv"]),
+        lambda t: probes.plot_kv_position_gradients(t["kv_position_samples.csv"], t["kv_positions.csv"]),
         {
             "kv_position_samples.csv": [
                 "drafter",
@@ -405,7 +405,7 @@ SPECS = [
         "05_attention_mass",
         "02_train_drafters",
         ("attention_mass.csv",),
-        lambda t: training.plot_attention_mass(t["attention_mass.csv"]),
+        lambda t: probes.plot_attention_mass(t["attention_mass.csv"]),
         {"attention_mass.csv": ["drafter", "step", "layer", "segment", "share", "sink_share"]},
         lambda t: "each bar: mean over the positions of the last probed batch",
     ),
@@ -413,7 +413,7 @@ SPECS = [
         "05_remedies",
         "05_kv_gradient_sparsity",
         ("remedy_per_step_accuracy.csv", "remedy_grad_probes.csv"),
-        lambda t: training.plot_remedies(t["remedy_per_step_accuracy.csv"], t["remedy_grad_probes.csv"]),
+        lambda t: probes.plot_remedies(t["remedy_per_step_accuracy.csv"], t["remedy_grad_probes.csv"]),
         {"remedy_per_step_accuracy.csv": ["drafter", "draft_step", "accuracy"]},
         lambda t: f"each point: {_n_range(t['remedy_per_step_accuracy.csv']['n'])} held-out positions",
     ),

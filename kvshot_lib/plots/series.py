@@ -123,3 +123,12 @@ def left_out(table: pd.DataFrame, drawn, where: str) -> list:
     if not n:
         return []
     return [Line2D([], [], ls="none", label=f"(+{n} more in {where}: at most {MAX_SERIES} lines an axis)")]
+
+
+def drafter_rows(df: pd.DataFrame) -> list[tuple[str, str, str, str]]:
+    """(drafter, paradigm, regime, target_kv) grouped by paradigm and ordered by stage as in the MAT figure
+    (:func:`drafter_order`); tables written before controls existed are "real"."""
+    df = df if "target_kv" in df else df.assign(target_kv="real")
+    cols = ["drafter", "paradigm", "regime", "target_kv"]
+    rank = {name: i for i, name in enumerate(drafter_order(df))}
+    return sorted(df[cols].drop_duplicates().itertuples(index=False, name=None), key=lambda d: rank[d[0]])
