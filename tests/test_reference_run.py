@@ -515,3 +515,43 @@ def test_two_rows_finishing_at_once_both_keep_their_tables(tmp_path, monkeypatch
         t.join()
     merged = pd.read_csv(tmp_path / "figures" / plan.run_name / "data" / "reference_jobs.csv")
     assert sorted(merged["rows"]) == ["a", "b"]
+
+
+def test_a_carried_row_goes_on_in_a_session_without_runs_and_commits_its_checkpoint(tmp_path, monkeypatch):
+    """A row with ``carry: true`` keeps its position in ``checkpoints/<run>/<row>.partial/`` while it trains;
+    with ``runs/`` gone (a new session), the run goes on from there, and the finished checkpoint takes its place."""
+    import shutil
+
+    from kvshot_lib.training import StoreBatches
+
+    plan = load_plan("reference", smoke=True)
+    plan = dataclasses.replace(
+        plan, rows={**plan.rows, "none-ttt": dataclasses.replace(plan.rows["none-ttt"], carry=True)}
+    )
+    partial = tmp_path / "checkpoints" / "reference-smoke" / "none-ttt.partial"
+    real, seen = StoreBatches.batch, []
+
+    def dies_at_4(self, step):
+        if step == 4:
+            raise KeyboardInterrupt
+        return real(self, step)
+
+    monkeypatch.setattr(StoreBatches, "batch", dies_at_4)
+    with pytest.raises(KeyboardInterrupt):
+        run_reference(plan, "cpu", ("train",), ["none-ttt"], root=tmp_path, progress=False, figures=False)
+    assert json.loads((partial / "trainer.json").read_text())["step"] == 4  # save_every 2
+    shutil.rmtree(tmp_path / "runs")  # the next session's machine
+    assert status(plan, tmp_path).set_index("row").loc["none-ttt", "state"] == "carried"
+
+    def counted(self, step):
+        seen.append(step)
+        return real(self, step)
+
+    monkeypatch.setattr(StoreBatches, "batch", counted)
+    run_reference(plan, "cpu", ("train",), ["none-ttt"], root=tmp_path, progress=False, figures=False)
+    assert seen and seen[0] == 4  # went on from the carried step
+    assert not partial.exists() and (partial.with_name("none-ttt") / "config.json").is_file()
+    out = tmp_path / "runs" / "reference-smoke" / "drafters" / "none-ttt"
+    history = pd.read_csv(out / "history.csv")
+    assert list(history["step"]) == list(range(1, len(history) + 1)) and len(history) > 4  # the whole history
+    assert list(pd.read_csv(out / "restarts.csv")["step"]) == [4]

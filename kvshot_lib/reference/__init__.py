@@ -11,7 +11,7 @@ checkpoints on both runs' held-out sets; :mod:`.checkpoints` copies the headline
 """
 
 from . import checkpoints, data, heldout, plan, run, tables
-from .checkpoints import checkpoint_folders, commit_checkpoint, folder_bytes
+from .checkpoints import carried_folder, carry_saver, checkpoint_folders, commit_checkpoint, folder_bytes
 from .heldout import cross_heldout, heldout_sets
 from .plan import Plan, PlanError, Row, load_plan
 from .run import run_reference, status
@@ -21,6 +21,8 @@ __all__ = [
     "Plan",
     "PlanError",
     "Row",
+    "carried_folder",
+    "carry_saver",
     "checkpoint_folders",
     "checkpoints",
     "commit_checkpoint",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -51,8 +52,11 @@ def portable_extra(extra: dict) -> dict:
     return out
 
 
-def commit_checkpoint(drafter, folder: Path, max_file_mb: float = 16, max_total_mb: float = 60) -> dict:
-    """Write ``drafter`` as a committed checkpoint at ``folder`` (``checkpoints/<run>/<row>``) within the limits.
+def commit_checkpoint(
+    drafter, folder: Path, max_file_mb: float = 16, max_total_mb: float = 60, write_more=None
+) -> dict:
+    """Write ``drafter`` as a committed checkpoint at ``folder`` (``checkpoints/<run>/<row>``) within the limits
+    (``write_more(tmp_folder)`` adds files beside it first, counted too: a carried run's position).
 
     Returns ``{"checkpoint", "checkpoint_mb", "checkpoint_files"}``, or ``{"checkpoint": "", "checkpoint_skipped":
     why}`` when the committed checkpoints would exceed ``max_total_mb`` with it (the folder is then left as it was)."""
@@ -67,6 +71,8 @@ def commit_checkpoint(drafter, folder: Path, max_file_mb: float = 16, max_total_
         save_drafter(drafter, tmp, dtype=torch.bfloat16, max_file_bytes=int(max_file_mb * MB) - HEADER_MARGIN)
     finally:
         drafter.cfg.extra = extra
+    if write_more is not None:
+        write_more(tmp)
     size = folder_bytes(tmp)
     big = [f.name for f in tmp.iterdir() if f.stat().st_size > max_file_mb * MB]
     others = sum(folder_bytes(p) for p in _beside(folder))
@@ -85,6 +91,31 @@ def commit_checkpoint(drafter, folder: Path, max_file_mb: float = 16, max_total_
     tmp.rename(folder)
     files = sorted(f.name for f in folder.iterdir() if f.suffix == ".safetensors")
     return dict(checkpoint=str(folder), checkpoint_mb=round(size / MB, 2), checkpoint_files=len(files))
+
+
+PARTIAL = ".partial"  # a carried row's position beside the checkpoints (checkpoints/<run>/<row>.partial)
+
+
+def carried_folder(checkpoint: Path) -> Path:
+    """Where a carried row (the plan's ``carry: true``) keeps its position: beside its checkpoint's folder."""
+    return checkpoint.with_name(checkpoint.name + PARTIAL)
+
+
+def carry_saver(folder: Path, max_file_mb: float = 16, max_total_mb: float = 60):
+    """The training loop's ``on_save`` for a carried row: its weights in bf16 (within the committed checkpoints'
+    limits, counted with them) and its position (:mod:`kvshot_lib.training.carry`) in ``folder``, replaced whole
+    each time. Over the limits it warns and keeps the previous one."""
+    from ..training.carry import write_carried
+
+    def on_save(drafter, step: int, config: dict, logs: dict, early_stopping: dict) -> None:
+        def position(tmp: Path) -> None:
+            write_carried(tmp, step, config, logs, early_stopping)
+
+        record = commit_checkpoint(drafter, folder, max_file_mb, max_total_mb, write_more=position)
+        if not record["checkpoint"]:
+            warnings.warn(f"{folder.name} not carried: {record['checkpoint_skipped']}", stacklevel=2)
+
+    return on_save
 
 
 def checkpoint_folders(specs: list[str] | None, defaults: dict[str, str], root: Path) -> dict[str, Path]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from ..runner import load_profile
 from ..training import TrainConfig, TrainConfigError
 
-ROW_KEYS = ("name", "like", "headline", "responses", "paper", "loops", "data", "budget")
+ROW_KEYS = ("name", "like", "headline", "responses", "paper", "loops", "data", "budget", "carry")
 RESPONSES = ("regenerated", "original")
 LOOPS = ("keep", "drop", "cut")
 BUDGET_KEYS = ("token_passes",)
@@ -54,6 +54,7 @@ class Row:
     loops: str = "keep"  # answers that loop: kept, their conversations dropped, or the loops cut
     data: dict = field(default_factory=dict)  # the row's own data keys, over the plan's
     budget: dict = field(default_factory=dict)  # the row's own budget (token_passes), over the plan's
+    carry: bool = False  # keep its position in checkpoints/<run>/<row>.partial/, to go on in another session
 
     def train_config(self, **overrides) -> TrainConfig:
         return TrainConfig.from_params({**self.params, "name": self.name, **overrides})
@@ -225,7 +226,7 @@ def _rows(specs: list, training: dict, best_kv_mode: str, data: dict) -> dict[st
             seen.add(base)
             skip = ("name", "headline", "paper")
             own = {**{k: v for k, v in raw_by_name[base].items() if k not in skip}, **own}
-        headline = bool(own.pop("headline", False))
+        headline, carry = bool(own.pop("headline", False)), bool(own.pop("carry", False))
         paper = str(own.pop("paper", ""))
         resp = own.pop("responses", data.get("responses", "regenerated"))
         own_data, own_budget = dict(own.pop("data", None) or {}), dict(own.pop("budget", None) or {})
@@ -254,5 +255,5 @@ def _rows(specs: list, training: dict, best_kv_mode: str, data: dict) -> dict[st
             TrainConfig.from_params({**params, "name": name})
         except TrainConfigError as e:
             raise PlanError(f"row {name!r}: {e}") from None
-        rows[name] = Row(name, params, headline, resp, init_row, paper, loops, own_data, own_budget)
+        rows[name] = Row(name, params, headline, resp, init_row, paper, loops, own_data, own_budget, carry)
     return rows

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -36,7 +37,7 @@ import torch
 from ..corpus import regenerate_sharegpt
 from ..target import load_target
 from ..target.assets import REPO_ROOT
-from .checkpoints import commit_checkpoint
+from .checkpoints import carried_folder, carry_saver, commit_checkpoint
 from .data import (
     RowData,
     corpus_tokens,
@@ -117,11 +118,16 @@ def train_row(
     init: str | None = None,
     progress=True,
     resume: bool = True,
+    carried: Path | None = None,
+    limits: dict | None = None,
     **overrides,
 ):
     """Train ``row`` into ``out_dir`` (``overrides``: TrainConfig parameters, e.g. ``train_steps``), resuming a
     killed run of the same configuration, or reading a finished one back; returns the training result and its
-    summary row (``reference_rows.csv``: unique tokens and token-passes, wall time, machine, plateau)."""
+    summary row (``reference_rows.csv``: unique tokens and token-passes, wall time, machine, plateau).
+    ``carried``: the row's folder under ``checkpoints/`` that keeps its position between sessions
+    (:func:`~.checkpoints.carry_saver`, within the checkpoints' ``limits``), resumed from when ``out_dir`` has no
+    state as far along."""
     from ..training import machine_of, run_summary, train_drafter
 
     t0, cuda = time.perf_counter(), target.info.device.startswith("cuda")
@@ -131,7 +137,7 @@ def train_row(
     read_back = resume and finished_already(out_dir, cfg)  # resume=False trains afresh, whatever is there
     result = train_drafter(
         target, data.train, data.held, cfg, out_dir, d2t=d2t, resume=resume, progress=progress,
-        eval_set=data.eval_set,
+        eval_set=data.eval_set, carried=carried, on_save=carry_saver(carried, **(limits or {})) if carried else None,
     )  # fmt: skip
     summary = run_summary(result)
     summary.update(
@@ -190,10 +196,25 @@ def train_rows(plan: Plan, target, names: list[str], root: Path, progress: bool,
         steps = train_steps_for(plan, row, data[key])
         own = dict({"train_steps": steps} if steps else {}, **overrides)
         init = init_path(plan, row, root)
-        result, summary = train_row(plan, row, target, data[key], d2t, out_dir / name, init, progress, **own)
+        rel = Path("checkpoints") / plan.run_name / name
+        carried = Path(root) / carried_folder(rel) if row.carry else None
+        result, summary = train_row(
+            plan,
+            row,
+            target,
+            data[key],
+            d2t,
+            out_dir / name,
+            init,
+            progress,
+            carried=carried,
+            limits=limits,
+            **own,
+        )
         summary["paper_row"] = row.paper
-        if row.headline:
-            rel = Path("checkpoints") / plan.run_name / name
+        if row.headline or row.carry:  # a carried row's checkpoint takes its position's place (and room)
+            if carried is not None:
+                shutil.rmtree(carried, ignore_errors=True)
             summary.update(commit_checkpoint(result.drafter, Path(root) / rel, **limits))
             summary["checkpoint"] = str(rel) if summary["checkpoint"] else ""
         ablation = kv_ablation(plan, row, result, target, data[key])
@@ -294,9 +315,11 @@ def evaluated_drafters(plan: Plan, target, rows: list[str] | None, root: Path) -
 
 def status(plan: Plan, root: Path = REPO_ROOT) -> pd.DataFrame:
     """Where each row of a (running or stopped) run stands, from its folder alone: done, at step n of its cap
-    (the last saved state), or not started; with token-passes, the last held-out acc_0 and the hours so far."""
+    (the last saved state, or its carried position under ``checkpoints/`` where that is further), or not started;
+    with token-passes, the last held-out acc_0 and the hours so far."""
     import json
 
+    from ..training.carry import carried_step, read_carried
     from ..training.state import read_train_state
 
     rows = []
@@ -306,6 +329,9 @@ def status(plan: Plan, root: Path = REPO_ROOT) -> pd.DataFrame:
             row=name, state="not started", step=None, cap=None, token_passes=None, acc_0=None, hours=None
         )
         meta = read_train_state(out)
+        carried = Path(root) / carried_folder(Path("checkpoints") / plan.run_name / name)
+        if carried_step(carried) and (meta is None or meta["step"] < carried_step(carried)):
+            meta, rec["state"] = read_carried(carried), "carried"  # to go on from, on this machine or another
         cfg_file = out / "config.json"
         extra = json.loads(cfg_file.read_text()).get("extra", {}) if cfg_file.is_file() else {}
         if extra.get("completed"):
@@ -314,7 +340,7 @@ def status(plan: Plan, root: Path = REPO_ROOT) -> pd.DataFrame:
                        hours=extra["train_seconds"] / 3600)  # fmt: skip
         elif meta is not None:
             logs = meta["logs"]
-            rec.update(state="training", step=meta["step"], cap=meta["config"]["train_steps"],
+            rec.update(state=rec["state"] if rec["state"] == "carried" else "training", step=meta["step"], cap=meta["config"]["train_steps"],
                        token_passes=sum(h["tokens"] for h in logs["history"]),
                        acc_0=logs["eval"][-1]["acc_0"] if logs["eval"] else None,
                        hours=logs.get("_seconds", 0.0) / 3600)  # fmt: skip

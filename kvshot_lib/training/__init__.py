@@ -4,7 +4,8 @@
   parameter dict becomes a validated configuration;
 * ``data.py``: what a run trains on (``data_source``): feature stores (``batches.py``) or tokenized splits,
   the target run inside the loop (``online.py``); ``init_from_checkpoint``;
-* ``loop.py``: :func:`train_drafter`, one drafter's run, with resume (``state.py``) and ``accelerate``;
+* ``loop.py``: :func:`train_drafter`, one drafter's run, with resume (``state.py``; between machines,
+  ``carry.py``) and ``accelerate``;
   ``losses.py``: the regimes' objectives (teacher forcing, TTT, ``ttt_dense``, ``parallel``);
 * ``schedule.py``: the learning rate (cosine, warmup-stable-decay) and the learning-curve budgets;
   ``convergence.py``: when to stop (``Stopping``: plateau, early stopping, time cap) and run summaries;
@@ -17,6 +18,7 @@ evaluation and the plots.
 """
 
 from .batches import BatchOrder, StoreBatches, batch_from_target, collate, target_sequence
+from .carry import read_carried, rewarm_factor, write_carried
 from .config import DATA_SOURCES, TrainConfig, TrainConfigError, parse_drafter_specs
 from .convergence import (
     EarlyStopping,
@@ -137,6 +139,7 @@ __all__ = [
     "plateau_step",
     "stable_plateau",
     "read_logs",
+    "read_carried",
     "read_train_state",
     "regime_loss",
     "portable_init",
@@ -144,12 +147,14 @@ __all__ = [
     "run_end",
     "run_summary",
     "sample_anchors",
+    "rewarm_factor",
     "sample_branches",
     "spearman",
     "step_mask",
     "target_batch",
     "target_sequence",
     "train_drafter",
+    "write_carried",
     "training_times",
     "with_target_kv",
     "zero_target_kv",

@@ -9,6 +9,8 @@ training loss, the per-step held-out accuracy and the gradient probes, and write
 * ``state/``: the resumable state while training runs (removed when it finishes).
 
 Calling it again with the same config returns the finished run from disk; after an interruption it resumes.
+A run whose ``state/`` is gone (another machine, a new session) resumes from a ``carried`` folder that an
+``on_save`` callback kept (:mod:`.carry`: the weights and the position, without the optimizer).
 The data comes from :func:`~.data.data_source` (feature stores or online), the learning rate from
 :mod:`.schedule`, when to stop from :class:`~.convergence.Stopping`; the objectives are in :mod:`.losses`, the
 probes in :mod:`.grad_probes`.
@@ -39,8 +41,9 @@ from ..drafters.trainable import TrainableDrafter
 from ..drafters.vocab import count_tokens, draft_vocab_from_counts
 from ..target import Target
 from ..target.precision import autocast, machine_record, resolve_precision
+from .carry import carried_step, load_carried_weights, read_carried, rewarm_factor
 from .config import TrainConfig
-from .convergence import EarlyStopping, Stopping, plateau
+from .convergence import EarlyStopping, Stopping, plateau, portable_init
 from .data import data_source, describe_data, init_from_checkpoint
 from .grad_probes import PROBE_TABLES, GradProbe, grouped_parameters
 from .heldout import EvalSet, evaluate_per_step, gate_summary
@@ -48,7 +51,7 @@ from .losses import branch_valid, regime_loss, sample_anchors, sample_branches, 
 from .schedule import curve_steps, decay_length, decay_start, linear_decay, lr_factor
 from .state import STATE_DIR, load_train_state, read_train_state, save_train_state
 
-LOG_TABLES = ("history", "eval", "curve", *PROBE_TABLES)
+LOG_TABLES = ("history", "eval", "curve", "restarts", *PROBE_TABLES)  # restarts: resumed from a carried state
 
 
 @dataclass
@@ -162,9 +165,18 @@ def train_drafter(
     progress: bool = True,
     accelerator=None,
     eval_set: EvalSet | None = None,
+    carried: str | Path | None = None,
+    on_save=None,
 ) -> TrainResult:
-    """Train one drafter; see the module docstring. ``config`` may be a parameter dict (validated)."""
+    """Train one drafter; see the module docstring. ``config`` may be a parameter dict (validated).
+    ``on_save(drafter, step, config, logs, early_stopping_counters)`` is called after each saved state (to keep a
+    :mod:`.carry` folder); ``carried`` is such a folder, resumed from when it is further along than ``state/``."""
     cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_params(config)
+    if (carried or on_save) and cfg.early_stop_patience:
+        raise ValueError(
+            f"{cfg.name}: a carried training state keeps no copy of early stopping's best weights; "
+            "set early_stop_patience=0 to carry this run between machines."
+        )
     precision = resolve_precision(cfg.mixed_precision, target.info.device)  # refused here if impossible
     out = Path(out_dir)
     if resume and _finished(out, cfg):
@@ -177,7 +189,9 @@ def train_drafter(
     acc = accelerator or make_accelerator(cfg, target.info.device)
     optimizer = build_optimizer(drafter, cfg)
     stopping = Stopping(cfg)
-    start, logs, seconds = _resume_point(out, cfg, drafter, optimizer, stopping.early, resume)
+    start, logs, seconds = _resume_point(
+        out, cfg, drafter, optimizer, stopping.early, resume, carried, target
+    )
     for group in optimizer.param_groups:
         group.setdefault("base_lr", group["lr"])
     objective, optimizer = acc.prepare(Objective(drafter, cfg, precision), optimizer)
@@ -206,7 +220,8 @@ def train_drafter(
     for step in range(start, cfg.train_steps):
         batch = loader.batch(step).to(acc.device)
         end, decay_from = stopping.end, stopping.decay_from
-        row, acc0 = _train_step(ctx, batch, step, logs, t_start, lr_factor(cfg, step, decay_from))
+        factor = lr_factor(cfg, step, decay_from) * rewarm_factor(cfg, step, logs["restarts"])
+        row, acc0 = _train_step(ctx, batch, step, logs, t_start, factor)
         row["epoch"] = loader.epoch_of(step + 1)
         logs["history"].append(row)
         stable = decay_from is None or step + 1 <= decay_from
@@ -233,6 +248,8 @@ def train_drafter(
             seconds = time.perf_counter() - t_start
             state_logs = {**logs, "_seconds": seconds}
             save_train_state(out, drafter, optimizer, step + 1, cfg.as_dict(), state_logs, stopping.early)
+            if on_save is not None:
+                on_save(drafter, step + 1, cfg.as_dict(), state_logs, stopping.early.state_dict()[0])
         acc.wait_for_everyone()
     bar.close()
     seconds = time.perf_counter() - t_start
@@ -284,29 +301,61 @@ SOURCE_KEYS = ("data_source",)
 
 
 def _trained_alike(config: dict) -> dict:
-    """A run's config without :data:`SOURCE_KEYS`: a saved state resumes when these are equal."""
-    return {k: v for k, v in config.items() if k not in SOURCE_KEYS}
+    """A run's config without :data:`SOURCE_KEYS`, its ``init_from`` as committed files show it (a carried state's
+    is relative to the checkout): a saved state resumes when these are equal."""
+    alike = {k: v for k, v in config.items() if k not in SOURCE_KEYS}
+    return dict(alike, init_from=portable_init(alike.get("init_from")))
 
 
 def _resume_point(
-    out: Path, cfg: TrainConfig, drafter: TrainableDrafter, optimizer, stopper: EarlyStopping, resume: bool
+    out: Path,
+    cfg: TrainConfig,
+    drafter: TrainableDrafter,
+    optimizer,
+    stopper: EarlyStopping,
+    resume: bool,
+    carried: str | Path | None = None,
+    target: Target | None = None,
 ) -> tuple[int, dict, float]:
-    """(first step, logs so far, seconds so far): from the saved state of the same config, or a fresh start.
-    The drafter, the optimizer and the early-stopping state are restored in place."""
+    """(first step, logs so far, seconds so far): from the saved state of the same config, or from the
+    ``carried`` folder when that is further along (a restart: fresh optimizer, the learning rate warmed up
+    again), or a fresh start. The drafter, the optimizer and the early-stopping state are restored in place."""
     meta = read_train_state(out) if resume else None
     fresh = 0, {name: [] for name in LOG_TABLES}, 0.0
-    if meta is None:
-        return fresh
-    old, new = _trained_alike(meta["config"]), _trained_alike(cfg.as_dict())
-    if old != new:  # said, not silent: hours of training may be behind that state
-        changed = ", ".join(sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)))
-        warnings.warn(
-            f"{out / STATE_DIR} was saved under another config ({changed}): starting over", stacklevel=3
-        )
+    if resume and (carried_step(carried) or 0) > (meta["step"] if meta else 0):
+        if _alike(read_carried(carried)["config"], cfg, Path(carried)):
+            return _carried_point(Path(carried), drafter, stopper, target)
+    if meta is None or not _alike(meta["config"], cfg, out / STATE_DIR):
         return fresh
     meta = load_train_state(out, drafter, optimizer, stopper)
     logs = meta["logs"]
+    for name in LOG_TABLES:  # a state saved before a table existed
+        logs.setdefault(name, [])
     return meta["step"], logs, logs.pop("_seconds", 0.0)
+
+
+def _alike(saved: dict, cfg: TrainConfig, where: Path) -> bool:
+    """Whether a state saved under config ``saved`` resumes under ``cfg``; said, not silent, when not: hours of
+    training may be behind that state."""
+    old, new = _trained_alike(saved), _trained_alike(cfg.as_dict())
+    if old != new:
+        changed = ", ".join(sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)))
+        warnings.warn(f"{where} was saved under another config ({changed}): starting over", stacklevel=4)
+    return old == new
+
+
+def _carried_point(
+    folder: Path, drafter: TrainableDrafter, stopper: EarlyStopping, target: Target
+) -> tuple[int, dict, float]:
+    """Resume from a carried folder (:mod:`.carry`): its weights, logs and early-stopping counters, a restart
+    logged at its step."""
+    meta = read_carried(folder)
+    load_carried_weights(folder, drafter, target.info)
+    stopper.load_state_dict(meta["early_stopping"], {})
+    logs = {name: meta["logs"].get(name, []) for name in LOG_TABLES}
+    seconds = meta["logs"].get("_seconds", 0.0)
+    logs["restarts"].append(dict(step=meta["step"], seconds=seconds, source=folder.name))
+    return meta["step"], logs, seconds
 
 
 @dataclass
