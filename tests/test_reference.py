@@ -79,6 +79,25 @@ def test_online_batches_equal_store_batches(peaky, splits, stores):
             torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-5, rtol=1e-5)
 
 
+def test_online_batches_run_the_target_under_the_runs_autocast(peaky, splits, tmp_path, amx_cpu):
+    """Online, the target runs under the run's autocast, as the extraction does: its batches are a bf16-extracted
+    store's (stored in float32 here), not a float32 one's."""
+    cfg = drafter_config_for(peaky, "hybrid", draft_vocab_size=256)
+    bf16 = extract_features(peaky, splits[0], out_dir=tmp_path / "bf16", dtype="float32", precision="bf16")
+    fp32 = extract_features(peaky, splits[0], out_dir=tmp_path / "fp32", dtype="float32", precision="no")
+    online = OnlineBatches(peaky, splits[0], cfg, batch_size=2, seed=3, max_tokens=96, precision="bf16")
+    a, b, c = (
+        src.batch(1)
+        for src in (
+            online,
+            *(StoreBatches(s, cfg, batch_size=2, seed=3, max_tokens=96) for s in (bf16, fp32)),
+        )
+    )
+    for name in ("final_hidden", "hidden", "keys", "values"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(getattr(a, name), getattr(c, name), atol=1e-5, rtol=1e-5), name
+
+
 @pytest.mark.parametrize("paradigm", ["hybrid", "kv"])
 def test_online_training_has_the_store_losses(peaky, splits, stores, tmp_path, paradigm):
     assert torch.equal(count_tokens(splits[0], 49152), count_tokens(stores[0], 49152))
@@ -86,7 +105,9 @@ def test_online_training_has_the_store_losses(peaky, splits, stores, tmp_path, p
     assert torch.equal(d2t, build_draft_vocab(stores[0], peaky, 256))
     runs = {}
     for source, (train, held) in (("store", stores), ("online", splits)):
-        cfg = TrainConfig(paradigm=paradigm, data_source=source, **SHARED)
+        cfg = TrainConfig(
+            paradigm=paradigm, data_source=source, mixed_precision="no", **SHARED
+        )  # as the stores
         runs[source] = train_drafter(peaky, train, held, cfg, tmp_path / source, d2t=d2t, progress=False)
     a, b = runs["store"].logs, runs["online"].logs
     assert [r["tokens"] for r in a["history"]] == [r["tokens"] for r in b["history"]]

@@ -21,6 +21,7 @@ from ..drafters.checkpoint import read_config, read_weights
 from ..drafters.config import DrafterConfig, DrafterConfigError
 from ..drafters.trainable import TrainableDrafter
 from ..target import Target
+from ..target.precision import resolve_precision
 from .batches import StoreBatches
 from .config import TrainConfig
 from .heldout import EvalSet
@@ -90,8 +91,11 @@ class OnlineData(StoreData):
         """Nothing to check: the target computes the features itself."""
 
     def loader(self, dcfg: DrafterConfig, rank: int, world: int) -> OnlineBatches:
-        c = self.cfg
-        return OnlineBatches(self.target, self.train, dcfg, c.batch_size, c.seed, rank, world, c.max_tokens)
+        c, device = self.cfg, self.target.info.device
+        precision = resolve_precision(c.mixed_precision, device)  # the target under the drafter's autocast
+        return OnlineBatches(
+            self.target, self.train, dcfg, c.batch_size, c.seed, rank, world, c.max_tokens, precision
+        )
 
 
 def data_source(cfg: TrainConfig, target: Target, train, held) -> StoreData:

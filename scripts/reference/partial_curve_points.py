@@ -3,7 +3,8 @@
 A row of the reference run logs an annealed learning-curve point at each budget of its plan (cap/32, cap/16,
 ...; WSD decay branches, ``training/schedule.py``). The data order and the stable-phase learning rate are
 functions of the step, so the points a row has logged when it is stopped are the points the full row would
-log at those budgets. This reads them from the row's saved state (``runs/<run>/drafters/<row>/state/``),
+log at those budgets. This reads them from the row's saved state (``runs/<run>/drafters/<row>/state/``, or its
+carried position ``checkpoints/<run>/<row>.partial/`` where that is further along, ``training/carry.py``),
 tables them like notebook 02 (:func:`~kvshot_lib.evaluation.curve_table`), and compares them at equal budgets
 with any other row, saved or committed (``figures/<run>/data/learning_curves.csv``)::
 
@@ -35,9 +36,9 @@ from pathlib import Path
 import pandas as pd
 
 from kvshot_lib.evaluation import curve_table, gap_by_budget
-from kvshot_lib.reference import load_plan
+from kvshot_lib.reference import carried_folder, load_plan
 from kvshot_lib.target import REPO_ROOT, machine_record, resolve_precision
-from kvshot_lib.training import convergence_table, read_train_state, se_acc, se_ce
+from kvshot_lib.training import carried_step, convergence_table, read_carried, read_train_state, se_acc, se_ce
 
 # a longer gap between two logged steps held an evaluation or a decay branch (or the start)
 PLAIN_STEP_S = 30.0
@@ -50,8 +51,13 @@ def saved_points(run_dir: Path, row: str, label: str) -> dict[str, pd.DataFrame]
     at the row's ``converge_z``), ``points`` (the rule's inputs: each point's held-out acc_0 and cross-entropy with
     their standard errors) and ``progress`` (how far, how long, and the rate of its plain steps)."""
     meta = read_train_state(run_dir / "drafters" / row)
+    carried = carried_folder(run_dir.parent.parent / "checkpoints" / run_dir.name / row)
+    if (carried_step(carried) or 0) > (meta["step"] if meta else 0):
+        meta = read_carried(carried)
     if meta is None:
-        raise SystemExit(f"no saved state for {row!r} under {run_dir / 'drafters'}: is it training?")
+        raise SystemExit(
+            f"no saved state for {row!r} under {run_dir / 'drafters'} nor {carried}: is it training?"
+        )
     cfg = meta["config"]
     machine = machine_record(resolve_precision(cfg["mixed_precision"], "cpu"))  # a state is this machine's
     label_cols = dict(
