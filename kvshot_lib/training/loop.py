@@ -323,8 +323,9 @@ def _resume_point(
     meta = read_train_state(out) if resume else None
     fresh = 0, {name: [] for name in LOG_TABLES}, 0.0
     if resume and (carried_step(carried) or 0) > (meta["step"] if meta else 0):
-        if _alike(read_carried(carried)["config"], cfg, Path(carried)):
-            return _carried_point(Path(carried), drafter, stopper, target)
+        moved = read_carried(carried)
+        if _alike(moved["config"], cfg, Path(carried)):
+            return _carried_point(Path(carried), moved, drafter, stopper, target)
     if meta is None or not _alike(meta["config"], cfg, out / STATE_DIR):
         return fresh
     meta = load_train_state(out, drafter, optimizer, stopper)
@@ -345,11 +346,10 @@ def _alike(saved: dict, cfg: TrainConfig, where: Path) -> bool:
 
 
 def _carried_point(
-    folder: Path, drafter: TrainableDrafter, stopper: EarlyStopping, target: Target
+    folder: Path, meta: dict, drafter: TrainableDrafter, stopper: EarlyStopping, target: Target
 ) -> tuple[int, dict, float]:
-    """Resume from a carried folder (:mod:`.carry`): its weights, logs and early-stopping counters, a restart
-    logged at its step."""
-    meta = read_carried(folder)
+    """Resume from a carried folder (:mod:`.carry`; ``meta``: what :func:`~.carry.read_carried` read there): its
+    weights, logs and early-stopping counters, a restart logged at its step."""
     load_carried_weights(folder, drafter, target.info)
     stopper.load_state_dict(meta["early_stopping"], {})
     logs = {name: meta["logs"].get(name, []) for name in LOG_TABLES}

@@ -2,9 +2,9 @@
 
 A feature store costs ``~6 KB`` per token for SmolLM2 and ``~44 KB`` for Qwen3-8B (tens of GB for ShareGPT);
 online, each optimizer step runs the frozen target (in its own dtype: bf16 or fp32, on its own device, under the
-run's autocast as the extraction runs: bf16 where the CPU has it, 1.8x as fast as float32 on an AVX512-BF16 EPYC)
-over the step's tokenized conversations and hands the drafter the same :class:`TrainBatch` a store extracted in
-that precision would have:
+run's autocast as the extraction runs: bf16 where the CPU has it; in float32 the target's forward was 73% of an
+online step on a 2-core AVX512-BF16 EPYC, by py-spy) over the step's tokenized conversations and hands the
+drafter the same :class:`TrainBatch` a store extracted in that precision would have:
 
 * :class:`OnlineBatches` visits the sequences of a :class:`~kvshot_lib.corpus.TokenizedSplit` in exactly the
   order :class:`~kvshot_lib.training.batches.StoreBatches` visits a store of that split (same
