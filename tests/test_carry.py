@@ -93,6 +93,7 @@ def test_the_history_comes_back_as_rows(tmp_path):
     meta = read_carried(tmp_path)
     got = meta["logs"]["history"]
     assert [r["step"] for r in got] == [1, 2] and [r["tokens"] for r in got] == [130, 2**40]  # exact integers
+    assert list(got[0]) == list(rows[0])  # the columns in the rows' order (history.csv keeps it)
     assert got[0]["epoch"] is None and got[1]["epoch"] == pytest.approx(0.8, rel=1e-7)
     assert got[1]["loss"] == pytest.approx(1 / 3, rel=1e-7) and got[1]["loss"] != 1 / 3  # float32, said so
     assert (

@@ -319,7 +319,7 @@ def status(plan: Plan, root: Path = REPO_ROOT) -> pd.DataFrame:
     with token-passes, the last held-out acc_0 and the hours so far."""
     import json
 
-    from ..training.carry import carried_step, read_carried
+    from ..training.carry import carried_ahead, read_carried
     from ..training.state import read_train_state
 
     rows = []
@@ -330,8 +330,9 @@ def status(plan: Plan, root: Path = REPO_ROOT) -> pd.DataFrame:
         )
         meta = read_train_state(out)
         carried = Path(root) / carried_folder(Path("checkpoints") / plan.run_name / name)
-        if carried_step(carried) and (meta is None or meta["step"] < carried_step(carried)):
-            meta, rec["state"] = read_carried(carried), "carried"  # to go on from, on this machine or another
+        state = "training"
+        if carried_ahead(carried, meta):
+            meta, state = read_carried(carried), "carried"  # to go on from, on this machine or another
         cfg_file = out / "config.json"
         extra = json.loads(cfg_file.read_text()).get("extra", {}) if cfg_file.is_file() else {}
         if extra.get("completed"):
@@ -340,7 +341,7 @@ def status(plan: Plan, root: Path = REPO_ROOT) -> pd.DataFrame:
                        hours=extra["train_seconds"] / 3600)  # fmt: skip
         elif meta is not None:
             logs = meta["logs"]
-            rec.update(state=rec["state"] if rec["state"] == "carried" else "training", step=meta["step"], cap=meta["config"]["train_steps"],
+            rec.update(state=state, step=meta["step"], cap=meta["config"]["train_steps"],
                        token_passes=sum(h["tokens"] for h in logs["history"]),
                        acc_0=logs["eval"][-1]["acc_0"] if logs["eval"] else None,
                        hours=logs.get("_seconds", 0.0) / 3600)  # fmt: skip

@@ -18,7 +18,7 @@ evaluation and the plots.
 """
 
 from .batches import BatchOrder, StoreBatches, batch_from_target, collate, target_sequence
-from .carry import carried_step, read_carried, rewarm_factor, write_carried
+from .carry import carried_ahead, read_carried, rewarm_factor, write_carried
 from .config import DATA_SOURCES, TrainConfig, TrainConfigError, parse_drafter_specs
 from .convergence import (
     EarlyStopping,
@@ -114,7 +114,7 @@ __all__ = [
     "branch_valid",
     "budget_note",
     "build_draft_vocab",
-    "carried_step",
+    "carried_ahead",
     "build_optimizer",
     "collate",
     "combined_table",

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..drafters.checkpoint import read_config, read_weights
@@ -27,16 +28,19 @@ from .convergence import portable_init
 
 TRAINER_FILE = "trainer.json"
 HISTORY_FILE = "history.safetensors"
-INT_COLUMNS = (
-    "step",
-    "tokens",
-)  # exact as int64; every other column is float32 (NaN where a row has no value)
+# exact as int64; every other column is float32 (NaN where a row has no value)
+INT_COLUMNS = ("step", "tokens")
 
 
 def carried_step(folder: str | Path | None) -> int | None:
     """The step a carried folder reached, or None when there is none (no folder, or no complete one)."""
     path = Path(folder) / TRAINER_FILE if folder else None
     return json.loads(path.read_text())["step"] if path is not None and path.is_file() else None
+
+
+def carried_ahead(folder: str | Path | None, saved: dict | None) -> bool:
+    """Whether the carried folder is further along than the saved state ``saved`` (its metadata, or None)."""
+    return (carried_step(folder) or 0) > (saved["step"] if saved else 0)
 
 
 def write_carried(folder: str | Path, step: int, config: dict, logs: dict, early_stopping: dict) -> None:
@@ -66,9 +70,11 @@ def read_carried(folder: str | Path) -> dict:
     float columns to float32 precision)."""
     folder = Path(folder)
     meta = json.loads((folder / TRAINER_FILE).read_text())
+    with safe_open(str(folder / HISTORY_FILE), "pt") as f:
+        keys = json.loads(f.metadata()["columns"])  # the rows' key order (the file keeps its own)
     columns = load_file(str(folder / HISTORY_FILE))
-    n = len(next(iter(columns.values()))) if columns else 0
-    lists = {k: v.tolist() for k, v in columns.items()}
+    n = len(columns[keys[0]]) if keys else 0
+    lists = {k: columns[k].tolist() for k in keys}
     history = []
     for i in range(n):
         row = {}

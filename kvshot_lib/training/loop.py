@@ -41,7 +41,7 @@ from ..drafters.trainable import TrainableDrafter
 from ..drafters.vocab import count_tokens, draft_vocab_from_counts
 from ..target import Target
 from ..target.precision import autocast, machine_record, resolve_precision
-from .carry import carried_step, load_carried_weights, read_carried, rewarm_factor
+from .carry import carried_ahead, load_carried_weights, read_carried, rewarm_factor
 from .config import TrainConfig
 from .convergence import EarlyStopping, Stopping, plateau, portable_init
 from .data import data_source, describe_data, init_from_checkpoint
@@ -322,7 +322,7 @@ def _resume_point(
     again), or a fresh start. The drafter, the optimizer and the early-stopping state are restored in place."""
     meta = read_train_state(out) if resume else None
     fresh = 0, {name: [] for name in LOG_TABLES}, 0.0
-    if resume and (carried_step(carried) or 0) > (meta["step"] if meta else 0):
+    if resume and carried_ahead(carried, meta):
         moved = read_carried(carried)
         if _alike(moved["config"], cfg, Path(carried)):
             return _carried_point(Path(carried), moved, drafter, stopper, target)

@@ -38,7 +38,14 @@ import pandas as pd
 from kvshot_lib.evaluation import curve_table, gap_by_budget
 from kvshot_lib.reference import carried_folder, load_plan
 from kvshot_lib.target import REPO_ROOT, machine_record, resolve_precision
-from kvshot_lib.training import carried_step, convergence_table, read_carried, read_train_state, se_acc, se_ce
+from kvshot_lib.training import (
+    carried_ahead,
+    convergence_table,
+    read_carried,
+    read_train_state,
+    se_acc,
+    se_ce,
+)
 
 # a longer gap between two logged steps held an evaluation or a decay branch (or the start)
 PLAIN_STEP_S = 30.0
@@ -52,7 +59,7 @@ def saved_points(run_dir: Path, row: str, label: str) -> dict[str, pd.DataFrame]
     their standard errors) and ``progress`` (how far, how long, and the rate of its plain steps)."""
     meta = read_train_state(run_dir / "drafters" / row)
     carried = carried_folder(run_dir.parent.parent / "checkpoints" / run_dir.name / row)
-    if (carried_step(carried) or 0) > (meta["step"] if meta else 0):
+    if carried_ahead(carried, meta):
         meta = read_carried(carried)
     if meta is None:
         raise SystemExit(
