@@ -11,7 +11,7 @@ import torch
 
 from kvshot_lib.corpus import extract_features, tokenize_sharegpt
 from kvshot_lib.reference import carry_saver
-from kvshot_lib.target import REPO_ROOT, load_target
+from kvshot_lib.target import REPO_ROOT, cpu_model, load_target
 from kvshot_lib.training import (
     StoreBatches,
     TrainConfig,
@@ -147,7 +147,7 @@ def test_a_run_carried_to_a_new_machine_goes_on(setup, tmp_path, monkeypatch):
     resumed, uninterrupted, first = got[KILLED_AT]["loss"], want[KILLED_AT]["loss"], want[0]["loss"]
     assert abs(resumed - uninterrupted) < 0.01 * uninterrupted < abs(first - uninterrupted)
     # the restart is logged and the learning rate warms up again from it, then follows the plan
-    assert [r["step"] for r in run.logs["restarts"]] == [KILLED_AT]
+    assert [(r["step"], r["cpu"]) for r in run.logs["restarts"]] == [(KILLED_AT, cpu_model())]  # who went on
     for k in range(KILLED_AT, PARAMS["train_steps"]):
         factor = min(1.0, (k - KILLED_AT + 1) / PARAMS["warmup_steps"])
         assert got[k]["lr"] == pytest.approx(want[k]["lr"] * factor, rel=1e-6), k

@@ -62,6 +62,18 @@ def test_machine_labels_tell_cpus_of_one_model_apart_by_their_bf16_path(monkeypa
     assert machine_name(old) == "amd-epyc-2cores"
 
 
+def test_a_masked_cpu_name_keeps_its_family_and_model():
+    """A Zen 4 and a Zen 5 EPYC both read ``AMD EPYC`` behind the hypervisors here; a name with a model number
+    is kept as it is."""
+    zen = "processor\t: 0\ncpu family\t: {f}\nmodel\t\t: {m}\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2\n"
+    names = {precision_module.cpu_name(zen.format(f=f, m=m)) for f, m in ((25, 17), (26, 2))}
+    assert names == {"AMD EPYC family 25 model 17", "AMD EPYC family 26 model 2"}
+    xeon = "cpu family\t: 6\nmodel\t\t: 143\nmodel name\t: Intel(R) Xeon(R) Platinum 8488C\n"
+    assert precision_module.cpu_name(xeon) == "Intel(R) Xeon(R) Platinum 8488C"
+    assert precision_module.cpu_name("", "x86_64") == "x86_64"  # no /proc/cpuinfo
+    assert precision_module.cpu_flags_of(zen.format(f=26, m=2)) == {"fpu", "avx2"}
+
+
 def test_bf16_is_refused_before_any_work(no_bf16_cpu, tiny_llama, tmp_path):
     cfg = TrainConfig(paradigm="hidden", regime="ttt", mixed_precision="bf16", draft_vocab_size=64)
     with pytest.raises(PrecisionError):

@@ -54,16 +54,32 @@ class PrecisionError(ValueError):
 
 @functools.cache
 def _cpuinfo() -> tuple[str, frozenset[str]]:
-    model, flags = platform.processor() or platform.machine(), frozenset()
-    path = Path("/proc/cpuinfo")
-    if path.is_file():
-        for line in path.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = frozenset(value.split())
-    return model, flags
+    text = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").is_file() else ""
+    return cpu_name(text, platform.processor() or platform.machine()), cpu_flags_of(text)
+
+
+def _first(text: str, key: str) -> str | None:
+    """The first value of ``key`` in a ``/proc/cpuinfo`` text."""
+    for line in text.splitlines():
+        k, _, value = line.partition(":")
+        if k.strip() == key:
+            return value.strip()
+    return None
+
+
+def cpu_flags_of(text: str) -> frozenset[str]:
+    return frozenset((_first(text, "flags") or "").split())
+
+
+def cpu_name(text: str, fallback: str = "") -> str:
+    """The CPU's model name in a ``/proc/cpuinfo`` text. A name a hypervisor masked to one without a model number
+    (``AMD EPYC``: a Zen 4 and a Zen 5 both read so on the machines here) gets its family and model
+    (``AMD EPYC family 26 model 2``), so that their results are not filed as one machine's."""
+    name = _first(text, "model name") or fallback
+    family, model = _first(text, "cpu family"), _first(text, "model")
+    if not any(c.isdigit() for c in name) and family and model:
+        name = f"{name} family {family} model {model}"
+    return name
 
 
 def cpu_model() -> str:

@@ -349,12 +349,16 @@ def _carried_point(
     folder: Path, meta: dict, drafter: TrainableDrafter, stopper: EarlyStopping, target: Target
 ) -> tuple[int, dict, float]:
     """Resume from a carried folder (:mod:`.carry`; ``meta``: what :func:`~.carry.read_carried` read there): its
-    weights, logs and early-stopping counters, a restart logged at its step."""
+    weights, logs and early-stopping counters, a restart logged at its step with the machine that goes on."""
     load_carried_weights(folder, drafter, target.info)
     stopper.load_state_dict(meta["early_stopping"], {})
     logs = {name: meta["logs"].get(name, []) for name in LOG_TABLES}
     seconds = meta["logs"].get("_seconds", 0.0)
-    logs["restarts"].append(dict(step=meta["step"], seconds=seconds, source=folder.name))
+    machine = machine_record(resolve_precision(meta["config"]["mixed_precision"], target.info.device))
+    here = {k: machine[k] for k in ("precision", "cpu", "bf16_isa", "threads")}
+    logs["restarts"].append(
+        dict(step=meta["step"], seconds=seconds, source=folder.name, **here)
+    )  # who goes on
     return meta["step"], logs, seconds
 
 

@@ -21,8 +21,9 @@ Prints the points and the gaps (:func:`~kvshot_lib.evaluation.gap_by_budget`, 95
 held-out acc_0 of every evaluation so far (every ``eval_every`` steps, at the stable learning rate) beside the
 ``--against`` rows' at the same steps; ``--out`` writes the tables (``X.csv``, ``X_gaps.csv``,
 ``X_heldout.csv``, ``X_convergence.csv``: the convergence rule over the points so far, and ``X_points.csv``: its
-inputs, each point's held-out acc_0 and cross-entropy with their standard errors, and ``X_progress.csv``: the
-steps, seconds and token-passes so far, and the rate of the plain steps); ``--stopped`` adds
+inputs, each point's held-out acc_0 and cross-entropy with their standard errors, and ``X_progress.csv``: per stretch
+between restarts from a carried position, the steps, seconds and token-passes, the rate of the plain steps and
+the machine); ``--stopped`` adds
 the points of rows that will train no further to ``figures/<run>/data/stopped_curves.csv``, which ``kvshot figures`` draws beside the finished rows' learning
 curves (``02_learning_curves``). A label ``row@here`` names a row trained on this machine whose name is also a
 committed row's.
@@ -49,6 +50,40 @@ from kvshot_lib.training import (
 
 # a longer gap between two logged steps held an evaluation or a decay branch (or the start)
 PLAIN_STEP_S = 30.0
+MACHINE_COLS = ("precision", "cpu", "bf16_isa")
+
+
+def stretches(logs: dict, here: dict) -> list[dict]:
+    """The row's history cut at each restart from a carried position (``restarts`` log), one dict per stretch:
+    its steps, seconds and token-passes, and the rate of its plain steps, with the machine that ran it (the
+    restart's record; ``here`` for the last stretch where no restart names one: the state was saved here)."""
+    history = pd.DataFrame(logs.get("history", []), columns=["step", "seconds", "tokens"])
+    restarts = logs.get("restarts", [])
+    starts = [dict(step=0, seconds=0.0)] + restarts
+    out = []
+    for i, start in enumerate(starts):
+        end = starts[i + 1]["step"] if i + 1 < len(starts) else float("inf")
+        part = history[(history["step"] > start["step"]) & (history["step"] <= end)]
+        gaps = part["seconds"].diff()  # the stretch's first step also took its start-up: never plain
+        plain = gaps[gaps < PLAIN_STEP_S]
+        machine = {k: start.get(k) for k in MACHINE_COLS}
+        if i == len(starts) - 1 and machine["cpu"] is None:
+            machine = {k: here.get(k) for k in MACHINE_COLS}
+        out.append(
+            dict(
+                machine,
+                from_step=start["step"],
+                to_step=int(part["step"].max()) if len(part) else start["step"],
+                seconds=part["seconds"].max() - start["seconds"] if len(part) else 0.0,
+                token_passes=part["tokens"].sum(),
+                plain_steps=len(plain),
+                seconds_per_step=plain.mean(),
+                token_passes_per_second=part["tokens"][plain.index].sum() / plain.sum()
+                if len(plain)
+                else None,
+            )
+        )
+    return out
 
 
 def saved_points(run_dir: Path, row: str, label: str) -> dict[str, pd.DataFrame]:
@@ -56,11 +91,11 @@ def saved_points(run_dir: Path, row: str, label: str) -> dict[str, pd.DataFrame]
     far, as a ``curve_table``), ``heldout`` (its held-out evaluations, every ``eval_every`` steps at the stable
     learning rate), ``convergence`` (the rule's verdict over the points, :func:`~kvshot_lib.training.convergence_table`,
     at the row's ``converge_z``), ``points`` (the rule's inputs: each point's held-out acc_0 and cross-entropy with
-    their standard errors) and ``progress`` (how far, how long, and the rate of its plain steps)."""
+    their standard errors) and ``progress`` (per stretch, :func:`stretches`)."""
     meta = read_train_state(run_dir / "drafters" / row)
     carried = carried_folder(run_dir.parent.parent / "checkpoints" / run_dir.name / row)
-    if carried_ahead(carried, meta):
-        meta = read_carried(carried)
+    carried_meta = read_carried(carried) if carried_ahead(carried, meta) else None
+    meta = carried_meta or meta
     if meta is None:
         raise SystemExit(
             f"no saved state for {row!r} under {run_dir / 'drafters'} nor {carried}: is it training?"
@@ -72,7 +107,7 @@ def saved_points(run_dir: Path, row: str, label: str) -> dict[str, pd.DataFrame]
         paradigm=cfg["paradigm"],
         regime=cfg["regime"],
         target_kv=cfg.get("target_kv", "real"),
-        **{k: machine.get(k) for k in ("precision", "cpu", "bf16_isa")},
+        **{k: machine.get(k) for k in MACHINE_COLS},
     )
     curve = pd.DataFrame(meta["logs"]["curve"]).assign(**label_cols)
     evals = pd.DataFrame(meta["logs"].get("eval", [])).assign(**label_cols)
@@ -87,23 +122,11 @@ def saved_points(run_dir: Path, row: str, label: str) -> dict[str, pd.DataFrame]
         ce_se_0=[se_ce(p) if pd.notna(p.get("ce_0")) else None for p in points],
         saved_step=meta["step"],
     )
-    history = pd.DataFrame(meta["logs"].get("history", []), columns=["seconds", "tokens"])
-    gaps = history["seconds"].diff()
-    plain = gaps[gaps < PLAIN_STEP_S]
+    here = {k: label_cols[k] for k in MACHINE_COLS} if meta is not carried_meta else {}
     progress = pd.DataFrame(
         [
-            dict(
-                label_cols,
-                saved_step=meta["step"],
-                train_steps=cfg.get("train_steps"),
-                seconds=history["seconds"].max(),
-                token_passes=history["tokens"].sum(),
-                plain_steps=len(plain),
-                seconds_per_step=plain.mean(),
-                token_passes_per_second=history["tokens"][plain.index].sum() / plain.sum()
-                if len(plain)
-                else None,
-            )
+            {**label_cols, **stretch, "saved_step": meta["step"], "train_steps": cfg.get("train_steps")}
+            for stretch in stretches(meta["logs"], here)
         ]
     )
     return dict(
@@ -123,6 +146,20 @@ def beside(table: Path, name: str) -> Path:
 def with_new_drafters(df: pd.DataFrame, earlier: pd.DataFrame) -> pd.DataFrame:
     """``df`` and the rows of ``earlier`` whose drafter ``df`` does not have."""
     return pd.concat([df, earlier[~earlier["drafter"].isin(df["drafter"])]], ignore_index=True)
+
+
+def known_machines(progress: pd.DataFrame, earlier: pd.DataFrame) -> pd.DataFrame:
+    """``progress`` with the machine of each stretch no restart names taken from an ``earlier`` progress table
+    written on that machine when the stretch ended (its row of that drafter saved at the stretch's last step)."""
+    ended = earlier.drop_duplicates(["drafter", "saved_step"], keep="last").set_index(
+        ["drafter", "saved_step"]
+    )
+    progress = progress.copy()
+    for i, r in progress[progress["cpu"].isna()].iterrows():
+        if (r["drafter"], r["to_step"]) in ended.index:
+            for k in MACHINE_COLS:
+                progress.at[i, k] = ended.at[(r["drafter"], r["to_step"]), k]
+    return progress
 
 
 def main() -> None:
@@ -158,6 +195,8 @@ def main() -> None:
         here = with_new_drafters(here, pd.read_csv(keep))
         if beside(keep, "heldout").is_file():
             heldout = with_new_drafters(heldout, pd.read_csv(beside(keep, "heldout")))
+        if beside(keep, "progress").is_file():
+            saved["progress"] = known_machines(saved["progress"], pd.read_csv(beside(keep, "progress")))
     names = list(here["drafter"].unique())
     table = pd.concat([here, committed[committed["drafter"].isin(args.against)]], ignore_index=True)
     pairs = [("partial", a, b) for a in names for b in args.against]
