@@ -219,6 +219,9 @@ def test_progress_is_cut_at_each_restart_and_names_the_machine_of_each_stretch()
     earlier = pd.DataFrame([dict(drafter="row", saved_step=3, precision="fp32", cpu="A", bf16_isa="none")])
     named = pcp.known_machines(progress, earlier)
     assert named["cpu"].tolist() == ["A", "B"] and named["precision"].tolist() == ["fp32", "bf16"]
+    # the next session reads the table just written: each stretch keeps its machine, by the step it ended at
+    later = pd.DataFrame([dict(s, cpu=None) for s in named.to_dict("records")])
+    assert pcp.known_machines(later, named)["cpu"].tolist() == ["A", "B"]
 
 
 def test_query_error_at_init_pairs_two_drafters_on_the_same_turns():

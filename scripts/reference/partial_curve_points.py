@@ -149,16 +149,17 @@ def with_new_drafters(df: pd.DataFrame, earlier: pd.DataFrame) -> pd.DataFrame:
 
 
 def known_machines(progress: pd.DataFrame, earlier: pd.DataFrame) -> pd.DataFrame:
-    """``progress`` with the machine of each stretch no restart names taken from an ``earlier`` progress table
-    written on that machine when the stretch ended (its row of that drafter saved at the stretch's last step)."""
-    ended = earlier.drop_duplicates(["drafter", "saved_step"], keep="last").set_index(
-        ["drafter", "saved_step"]
-    )
+    """``progress`` with the machine of each stretch no restart names taken from an ``earlier`` progress table:
+    its row of that drafter for the stretch ending at the same step (``to_step``; in a table from before the
+    stretches, its one row, saved at that step on that machine)."""
+    ends = earlier["to_step"] if "to_step" in earlier else earlier["saved_step"]
+    known = earlier.assign(end=ends).dropna(subset=["cpu"]).drop_duplicates(["drafter", "end"], keep="last")
+    known = known.set_index(["drafter", "end"])
     progress = progress.copy()
     for i, r in progress[progress["cpu"].isna()].iterrows():
-        if (r["drafter"], r["to_step"]) in ended.index:
+        if (r["drafter"], r["to_step"]) in known.index:
             for k in MACHINE_COLS:
-                progress.at[i, k] = ended.at[(r["drafter"], r["to_step"]), k]
+                progress.at[i, k] = known.at[(r["drafter"], r["to_step"]), k]
     return progress
 
 
