@@ -24,10 +24,8 @@ def plot_length_distributions(
         values = np.asarray(values)
         top = max(values.max(), 10)
         bins = np.logspace(0, np.log10(top), 40)
-        bins[[0, -1]] = (
-            1,
-            top,
-        )  # exact ends: 10**log10(top) may round below top on some CPUs and drop the longest
+        # exact ends: 10**log10(top) may round below top on some CPUs and drop the longest
+        bins[[0, -1]] = 1, top
         ax.hist(values, bins=bins, color=PARADIGM_COLORS["hidden"], alpha=0.85)
         ax.set_xscale("log")
         ax.axvline(np.median(values), color="k", ls="--", lw=1, label=f"median {np.median(values):.0f}")
