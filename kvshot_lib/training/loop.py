@@ -190,7 +190,7 @@ def train_drafter(
     optimizer = build_optimizer(drafter, cfg)
     stopping = Stopping(cfg)
     start, logs, seconds = _resume_point(
-        out, cfg, drafter, optimizer, stopping.early, resume, carried, target
+        out, cfg, drafter, optimizer, stopping.early, resume, carried, target, precision
     )
     for group in optimizer.param_groups:
         group.setdefault("base_lr", group["lr"])
@@ -316,6 +316,7 @@ def _resume_point(
     resume: bool,
     carried: str | Path | None = None,
     target: Target | None = None,
+    precision: str = "no",
 ) -> tuple[int, dict, float]:
     """(first step, logs so far, seconds so far): from the saved state of the same config, or from the
     ``carried`` folder when that is further along (a restart: fresh optimizer, the learning rate warmed up
@@ -325,7 +326,7 @@ def _resume_point(
     if resume and carried_ahead(carried, meta):
         moved = read_carried(carried)
         if _alike(moved["config"], cfg, Path(carried)):
-            return _carried_point(Path(carried), moved, drafter, stopper, target)
+            return _carried_point(Path(carried), moved, drafter, stopper, target, precision)
     if meta is None or not _alike(meta["config"], cfg, out / STATE_DIR):
         return fresh
     meta = load_train_state(out, drafter, optimizer, stopper)
@@ -346,19 +347,23 @@ def _alike(saved: dict, cfg: TrainConfig, where: Path) -> bool:
 
 
 def _carried_point(
-    folder: Path, meta: dict, drafter: TrainableDrafter, stopper: EarlyStopping, target: Target
+    folder: Path,
+    meta: dict,
+    drafter: TrainableDrafter,
+    stopper: EarlyStopping,
+    target: Target,
+    precision: str,
 ) -> tuple[int, dict, float]:
     """Resume from a carried folder (:mod:`.carry`; ``meta``: what :func:`~.carry.read_carried` read there): its
-    weights, logs and early-stopping counters, a restart logged at its step with the machine that goes on."""
+    weights, logs and early-stopping counters, a restart logged at its step with the machine that goes on (in the
+    run's resolved ``precision``)."""
     load_carried_weights(folder, drafter, target.info)
     stopper.load_state_dict(meta["early_stopping"], {})
     logs = {name: meta["logs"].get(name, []) for name in LOG_TABLES}
     seconds = meta["logs"].get("_seconds", 0.0)
-    machine = machine_record(resolve_precision(meta["config"]["mixed_precision"], target.info.device))
+    machine = machine_record(precision, target.info.device)
     here = {k: machine[k] for k in ("precision", "cpu", "bf16_isa", "threads")}
-    logs["restarts"].append(
-        dict(step=meta["step"], seconds=seconds, source=folder.name, **here)
-    )  # who goes on
+    logs["restarts"].append(dict(step=meta["step"], seconds=seconds, source=folder.name, **here))
     return meta["step"], logs, seconds
 
 
