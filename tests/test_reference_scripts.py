@@ -222,6 +222,12 @@ def test_progress_is_cut_at_each_restart_and_names_the_machine_of_each_stretch()
     # the next session reads the table just written: each stretch keeps its machine, by the step it ended at
     later = pd.DataFrame([dict(s, cpu=None) for s in named.to_dict("records")])
     assert pcp.known_machines(later, named)["cpu"].tolist() == ["A", "B"]
+    # ... by the step it began at: resumed from runs/ without a restart, a stretch ends further on
+    longer = later.assign(to_step=[3, 9])
+    assert pcp.known_machines(longer, named)["cpu"].tolist() == ["A", "B"]
+    # each point takes the machine of the stretch that ran its step, not the machine that reads the state
+    points = pd.DataFrame(dict(drafter="row", step=[0, 1, 3, 4, 6], cpu="here"))
+    assert pcp.by_stretch(points, named, "step")["cpu"].tolist() == ["A", "A", "A", "B", "B"]
 
 
 def test_query_error_at_init_pairs_two_drafters_on_the_same_turns():

@@ -150,17 +150,36 @@ def with_new_drafters(df: pd.DataFrame, earlier: pd.DataFrame) -> pd.DataFrame:
 
 def known_machines(progress: pd.DataFrame, earlier: pd.DataFrame) -> pd.DataFrame:
     """``progress`` with the machine of each stretch no restart names taken from an ``earlier`` progress table:
-    its row of that drafter for the stretch ending at the same step (``to_step``; in a table from before the
-    stretches, its one row, saved at that step on that machine)."""
-    ends = earlier["to_step"] if "to_step" in earlier else earlier["saved_step"]
-    known = earlier.assign(end=ends).dropna(subset=["cpu"]).drop_duplicates(["drafter", "end"], keep="last")
-    known = known.set_index(["drafter", "end"])
+    its row of that drafter for the stretch that began at the same step (``from_step``: a stretch resumed later
+    from ``runs/``, without a restart, ends further on); in a table from before the stretches, its one row, saved
+    at the stretch's end (``saved_step``) on that machine."""
+    key = "from_step" if "from_step" in earlier else "to_step"
+    known = earlier.assign(key=earlier[key if key == "from_step" else "saved_step"])
+    known = known.dropna(subset=["cpu"]).drop_duplicates(["drafter", "key"], keep="last")
+    known = known.set_index(["drafter", "key"])
     progress = progress.copy()
     for i, r in progress[progress["cpu"].isna()].iterrows():
-        if (r["drafter"], r["to_step"]) in known.index:
+        if (r["drafter"], r[key]) in known.index:
             for k in MACHINE_COLS:
-                progress.at[i, k] = known.at[(r["drafter"], r["to_step"]), k]
+                progress.at[i, k] = known.at[(r["drafter"], r[key]), k]
     return progress
+
+
+def by_stretch(df: pd.DataFrame, progress: pd.DataFrame, step: str) -> pd.DataFrame:
+    """``df`` with each row's machine taken from the ``progress`` stretch of its drafter that ran its step (column
+    ``step``; step 0, the start's evaluation, is the first stretch's): a row trained over several sessions has
+    points from several machines, and a carried state is read on a machine that ran none of them."""
+    df = df.copy()
+    for i, r in df.iterrows():
+        mine = progress[progress["drafter"] == r["drafter"]]
+        ran = mine[
+            ((mine["from_step"] < r[step]) & (r[step] <= mine["to_step"]))
+            | ((r[step] == 0) & (mine["from_step"] == 0))
+        ]
+        if len(ran):
+            for k in MACHINE_COLS:
+                df.at[i, k] = ran.iloc[0][k]
+    return df
 
 
 def main() -> None:
@@ -188,16 +207,20 @@ def main() -> None:
     labels = {r: (f"{r}@here" if r in set(committed["drafter"]) else r) for r in where}
     states = [saved_points(root / "runs" / plan.run_name, r, labels[r]) for r, root in where.items()]
     saved = {k: pd.concat([t[k] for t in states], ignore_index=True) for k in states[0]}
-    here, verdicts = saved["curve"], saved["convergence"]
+    keep = Path(args.keep) if args.keep else None
+    if keep and beside(keep, "progress").is_file():
+        saved["progress"] = known_machines(saved["progress"], pd.read_csv(beside(keep, "progress")))
+    here = by_stretch(saved["curve"], saved["progress"], "budget_step")
+    verdicts = saved["convergence"]
     heldout = pd.read_csv(data / "heldout_eval.csv")
-    heldout = pd.concat([saved["heldout"]] + [heldout[heldout["drafter"].isin(args.against)]])
-    if args.keep:
-        keep = Path(args.keep)
+    heldout = pd.concat(
+        [by_stretch(saved["heldout"], saved["progress"], "step")]
+        + [heldout[heldout["drafter"].isin(args.against)]]
+    )
+    if keep:
         here = with_new_drafters(here, pd.read_csv(keep))
         if beside(keep, "heldout").is_file():
             heldout = with_new_drafters(heldout, pd.read_csv(beside(keep, "heldout")))
-        if beside(keep, "progress").is_file():
-            saved["progress"] = known_machines(saved["progress"], pd.read_csv(beside(keep, "progress")))
     names = list(here["drafter"].unique())
     table = pd.concat([here, committed[committed["drafter"].isin(args.against)]], ignore_index=True)
     pairs = [("partial", a, b) for a in names for b in args.against]
