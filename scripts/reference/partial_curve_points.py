@@ -153,8 +153,8 @@ def known_machines(progress: pd.DataFrame, earlier: pd.DataFrame) -> pd.DataFram
     its row of that drafter for the stretch that began at the same step (``from_step``: a stretch resumed later
     from ``runs/``, without a restart, ends further on); in a table from before the stretches, its one row, saved
     at the stretch's end (``saved_step``) on that machine."""
-    key = "from_step" if "from_step" in earlier else "to_step"
-    known = earlier.assign(key=earlier[key if key == "from_step" else "saved_step"])
+    key = "from_step" if "from_step" in earlier else "to_step"  # the progress column to match on
+    known = earlier.assign(key=earlier["from_step"] if key == "from_step" else earlier["saved_step"])
     known = known.dropna(subset=["cpu"]).drop_duplicates(["drafter", "key"], keep="last")
     known = known.set_index(["drafter", "key"])
     progress = progress.copy()
