@@ -219,10 +219,10 @@ def test_progress_is_cut_at_each_restart_and_names_the_machine_of_each_stretch()
     earlier = pd.DataFrame([dict(drafter="row", saved_step=3, precision="fp32", cpu="A", bf16_isa="none")])
     named = pcp.known_machines(progress, earlier)
     assert named["cpu"].tolist() == ["A", "B"] and named["precision"].tolist() == ["fp32", "bf16"]
-    # the next session reads the table just written: each stretch keeps its machine, by the step it ended at
+    # the next session reads the table just written: each stretch keeps its machine, by the step it began at
     later = pd.DataFrame([dict(s, cpu=None) for s in named.to_dict("records")])
     assert pcp.known_machines(later, named)["cpu"].tolist() == ["A", "B"]
-    # ... by the step it began at: resumed from runs/ without a restart, a stretch ends further on
+    # ... even where it ends further on (resumed from runs/ without a restart)
     longer = later.assign(to_step=[3, 9])
     assert pcp.known_machines(longer, named)["cpu"].tolist() == ["A", "B"]
     # each point takes the machine of the stretch that ran its step, not the machine that reads the state
