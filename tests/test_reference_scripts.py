@@ -185,51 +185,6 @@ def test_a_row_without_a_saved_state_is_refused(tmp_path):
     assert done.returncode != 0 and "no saved state for 'hybrid-ttt'" in done.stderr
 
 
-def test_progress_is_cut_at_each_restart_and_names_the_machine_of_each_stretch():
-    """A carried row's history spans machines: one stretch per restart, each with the machine its restart
-    logged; the first stretch (no restart names it) takes the machine of the earlier table saved at its end."""
-    sys.path.insert(0, str(SCRIPTS))
-    import partial_curve_points as pcp
-
-    seconds = (10.0, 12.0, 14.0, 114.0, 116.0, 119.0)  # step 4 also took the restart's 100 s start-up
-    logs = dict(
-        history=[dict(step=i + 1, seconds=t, tokens=1000 * (i + 1)) for i, t in enumerate(seconds)],
-        restarts=[dict(step=3, seconds=14.0, precision="bf16", cpu="B", bf16_isa="avx512_bf16", threads=2)],
-    )
-    first, second = pcp.stretches(logs, here=dict(precision="bf16", cpu="C", bf16_isa="amx_bf16"))
-    assert (first["from_step"], first["to_step"], first["seconds"], first["token_passes"]) == (
-        0,
-        3,
-        14.0,
-        6000,
-    )
-    assert (first["plain_steps"], first["seconds_per_step"], first["cpu"]) == (2, 2.0, None)
-    assert (second["from_step"], second["to_step"], second["seconds"], second["token_passes"]) == (
-        3,
-        6,
-        105.0,
-        15000,
-    )
-    assert (second["plain_steps"], second["seconds_per_step"]) == (2, 2.5)
-    assert second["token_passes_per_second"] == pytest.approx(11000 / 5) and second["cpu"] == "B"
-    # no restart: the one stretch is this machine's (the state was saved here)
-    (only,) = pcp.stretches(dict(history=logs["history"][:3]), here=dict(precision="fp32", cpu="C"))
-    assert (only["cpu"], only["precision"], only["to_step"]) == ("C", "fp32", 3)
-    progress = pd.DataFrame([dict(s, drafter="row", saved_step=6) for s in (first, second)])
-    earlier = pd.DataFrame([dict(drafter="row", saved_step=3, precision="fp32", cpu="A", bf16_isa="none")])
-    named = pcp.known_machines(progress, earlier)
-    assert named["cpu"].tolist() == ["A", "B"] and named["precision"].tolist() == ["fp32", "bf16"]
-    # the next session reads the table just written: each stretch keeps its machine, by the step it began at
-    later = pd.DataFrame([dict(s, cpu=None) for s in named.to_dict("records")])
-    assert pcp.known_machines(later, named)["cpu"].tolist() == ["A", "B"]
-    # ... even where it ends further on (resumed from runs/ without a restart)
-    longer = later.assign(to_step=[3, 9])
-    assert pcp.known_machines(longer, named)["cpu"].tolist() == ["A", "B"]
-    # each point takes the machine of the stretch that ran its step, not the machine that reads the state
-    points = pd.DataFrame(dict(drafter="row", step=[0, 1, 3, 4, 6], cpu="here"))
-    assert pcp.by_stretch(points, named, "step")["cpu"].tolist() == ["A", "A", "A", "B", "B"]
-
-
 def test_query_error_at_init_pairs_two_drafters_on_the_same_turns():
     sys.path.insert(0, str(SCRIPTS))  # the script is a file beside the library, not a module of it
     import query_error_at_init

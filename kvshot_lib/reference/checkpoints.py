@@ -101,6 +101,12 @@ def carried_folder(checkpoint: Path) -> Path:
     return checkpoint.with_name(checkpoint.name + PARTIAL)
 
 
+def stretch_table(root: Path, run: str, row: str) -> Path:
+    """Where a carried row's stretches between restarts, each with its machine, are committed
+    (``scripts/reference/partial_curve_points.py --out figures/<run>/data/partial/<row>_curve.csv`` writes them)."""
+    return Path(root) / "figures" / run / "data" / "partial" / f"{row}_curve_progress.csv"
+
+
 def carry_saver(folder: Path, max_file_mb: float = 16, max_total_mb: float = 60):
     """The training loop's ``on_save`` for a carried row: its weights in bf16 (within the committed checkpoints'
     limits, counted with them) and its position (:mod:`kvshot_lib.training.carry`) in ``folder``, replaced whole

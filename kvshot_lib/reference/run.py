@@ -37,7 +37,7 @@ import torch
 from ..corpus import regenerate_sharegpt
 from ..target import load_target
 from ..target.assets import REPO_ROOT
-from .checkpoints import carried_folder, carry_saver, commit_checkpoint
+from .checkpoints import carried_folder, carry_saver, commit_checkpoint, stretch_table
 from .data import (
     RowData,
     corpus_tokens,
@@ -120,6 +120,7 @@ def train_row(
     resume: bool = True,
     carried: Path | None = None,
     limits: dict | None = None,
+    known_stretches: Path | None = None,
     **overrides,
 ):
     """Train ``row`` into ``out_dir`` (``overrides``: TrainConfig parameters, e.g. ``train_steps``), resuming a
@@ -127,8 +128,9 @@ def train_row(
     summary row (``reference_rows.csv``: unique tokens and token-passes, wall time, machine, plateau).
     ``carried``: the row's folder under ``checkpoints/`` that keeps its position between sessions
     (:func:`~.checkpoints.carry_saver`, within the checkpoints' ``limits``), resumed from when ``out_dir`` has no
-    state as far along."""
-    from ..training import machine_of, run_summary, train_drafter
+    state as far along; ``known_stretches``: its committed table of stretches between restarts, which names the
+    machines of those its logs do not (:func:`~kvshot_lib.training.run_stretches`)."""
+    from ..training import run_machine, run_summary, train_drafter
 
     t0, cuda = time.perf_counter(), target.info.device.startswith("cuda")
     if cuda:
@@ -139,6 +141,8 @@ def train_row(
         target, data.train, data.held, cfg, out_dir, d2t=d2t, resume=resume, progress=progress,
         eval_set=data.eval_set, carried=carried, on_save=carry_saver(carried, **(limits or {})) if carried else None,
     )  # fmt: skip
+    if known_stretches is not None and known_stretches.is_file():
+        result.known_stretches = pd.read_csv(known_stretches)
     summary = run_summary(result)
     summary.update(
         unique_tokens=data.unique_tokens,
@@ -147,7 +151,7 @@ def train_row(
         responses=data.what,
         row_seconds=summary["seconds"] if read_back else round(time.perf_counter() - t0, 1),
         headline=row.headline,
-        **machine_of(result),
+        **run_machine(result),
     )
     return result, summary
 
@@ -209,6 +213,7 @@ def train_rows(plan: Plan, target, names: list[str], root: Path, progress: bool,
             progress,
             carried=carried,
             limits=limits,
+            known_stretches=stretch_table(root, plan.run_name, name) if row.carry else None,
             **own,
         )
         summary["paper_row"] = row.paper

@@ -11,6 +11,8 @@
   ``convergence.py``: when to stop (``Stopping``: plateau, early stopping, time cap) and run summaries;
 * ``heldout.py``: per-step held-out accuracy; ``kv_ablation.py``: the same with the target KV ablated;
   ``grad_probes.py``: the gradient reaching each parameter group and K/V position;
+* ``heldout.py`` also stacks finished runs' log tables, each row with the machine that ran its step
+  (``stretches.py``: a carried run's stretches between restarts);
 * ``cli.py``: ``kvshot train``.
 
 It hands checkpoint folders (``config.json`` + ``model.safetensors``) and log tables to decoding,
@@ -57,6 +59,8 @@ from .heldout import (
     greedy_targets,
     machine_of,
     per_step_table,
+    run_machine,
+    run_stretches,
     training_times,
 )
 from .kv_ablation import KV_CONDITIONS, kv_ablation_table, with_target_kv, zero_target_kv
@@ -122,6 +126,8 @@ __all__ = [
     "finished_config",
     "gate_summary",
     "machine_of",
+    "run_machine",
+    "run_stretches",
     "grad_stats",
     "greedy_targets",
     "grouped_parameters",

@@ -24,6 +24,7 @@ from ..drafters.unroll import TrainBatch, shifted
 from ..target import Target, assets
 from .batches import collate, store_fields
 from .losses import at_rows, sample_branches, step_mask, target_probs
+from .stretches import MACHINE_COLS, by_stretch, known_machines, row_machine, stretches
 
 
 @dataclass
@@ -214,6 +215,26 @@ def machine_of(result) -> dict:
     return dict(result.drafter.cfg.extra.get("machine", {}))
 
 
+def run_stretches(result) -> pd.DataFrame | None:
+    """A run resumed from a carried position on other machines: its stretches, each with its machine
+    (:mod:`.stretches`; a stretch its logs do not name takes it from ``result.known_stretches``, or stays
+    unnamed). None for a run with no restart."""
+    if not result.logs.get("restarts"):
+        return None
+    here = {k: v for k, v in machine_of(result).items() if k in MACHINE_COLS}
+    progress = pd.DataFrame(stretches(result.logs, here)).assign(drafter=result.config.name)
+    if result.known_stretches is not None:
+        progress = known_machines(progress, result.known_stretches)
+    return progress
+
+
+def run_machine(result) -> dict:
+    """:func:`machine_of`, with the precision, CPU and bf16 ISA of every stretch (``bf16+fp32``) where the run
+    went on from a carried position on other machines: not the last machine's alone."""
+    progress = run_stretches(result)
+    return machine_of(result) | (row_machine(progress) if progress is not None else {})
+
+
 def training_times(results) -> pd.DataFrame:
     """Wall-clock training time and throughput of finished runs."""
     rows = []
@@ -228,7 +249,7 @@ def training_times(results) -> pd.DataFrame:
                 train_tokens=tokens,
                 seconds=round(r.train_seconds, 1),
                 tokens_per_second=round(tokens / max(r.train_seconds, 1e-9), 1),
-                **machine_of(r),
+                **run_machine(r),
             )
         )
     return pd.DataFrame(rows)
@@ -266,16 +287,17 @@ def budget_note(results_dir, drafters=None) -> str:
 
 
 def combined_table(results, name: str) -> pd.DataFrame:
-    """One log table (``history``, ``eval``, ``grad_probes``, ...) of several runs, stacked."""
-    frames = [
-        r.table(name).assign(
+    """One log table (``history``, ``eval``, ``grad_probes``, ...) of several runs, stacked, each row with the
+    machine that ran its step (:func:`run_stretches`; a curve point's is its branch's, ``budget_step``)."""
+    frames = []
+    for r in (r for r in results if r.logs.get(name)):
+        df = r.table(name).assign(
             drafter=r.config.name,
             paradigm=r.config.paradigm,
             regime=r.config.regime,
             target_kv=r.config.target_kv,
-            **{k: v for k, v in machine_of(r).items() if k in ("precision", "cpu", "bf16_isa")},
+            **{k: v for k, v in machine_of(r).items() if k in MACHINE_COLS},
         )
-        for r in results
-        if r.logs.get(name)
-    ]
+        progress, step = run_stretches(r), "budget_step" if "budget_step" in df else "step"
+        frames.append(by_stretch(df, progress, step) if progress is not None and step in df else df)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

@@ -61,6 +61,9 @@ class TrainResult:
     config: TrainConfig
     logs: dict = field(default_factory=dict)  # table name -> list of row dicts
     train_seconds: float = 0.0
+    # a carried run's stretches from an earlier table (figures/<run>/data/partial/<row>_curve_progress.csv): the
+    # machines of those its restarts log does not name (heldout.run_stretches)
+    known_stretches: pd.DataFrame | None = None
 
     def table(self, name: str) -> pd.DataFrame:
         return pd.DataFrame(self.logs.get(name, []))

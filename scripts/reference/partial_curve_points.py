@@ -4,7 +4,8 @@ A row of the reference run logs an annealed learning-curve point at each budget 
 ...; WSD decay branches, ``training/schedule.py``). The data order and the stable-phase learning rate are
 functions of the step, so the points a row has logged when it is stopped are the points the full row would
 log at those budgets. This reads them from the row's saved state (``runs/<run>/drafters/<row>/state/``, or its
-carried position ``checkpoints/<run>/<row>.partial/`` where that is further along, ``training/carry.py``),
+carried position ``checkpoints/<run>/<row>.partial/`` where that is further along, ``training/carry.py``;
+once the row finished, its logs),
 tables them like notebook 02 (:func:`~kvshot_lib.evaluation.curve_table`), and compares them at equal budgets
 with any other row, saved or committed (``figures/<run>/data/learning_curves.csv``)::
 
@@ -32,6 +33,7 @@ committed row's.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -42,48 +44,25 @@ from kvshot_lib.target import REPO_ROOT, machine_record, resolve_precision
 from kvshot_lib.training import (
     carried_ahead,
     convergence_table,
+    finished_config,
     read_carried,
+    read_logs,
     read_train_state,
     se_acc,
     se_ce,
 )
-
-# a longer gap between two logged steps held an evaluation or a decay branch (or the start)
-PLAIN_STEP_S = 30.0
-MACHINE_COLS = ("precision", "cpu", "bf16_isa")
+from kvshot_lib.training.stretches import MACHINE_COLS, by_stretch, known_machines, stretches
 
 
-def stretches(logs: dict, here: dict) -> list[dict]:
-    """The row's history cut at each restart from a carried position (``restarts`` log), one dict per stretch:
-    its steps, seconds and token-passes, and the rate of its plain steps, with the machine that ran it (the
-    restart's record; ``here`` for the last stretch where no restart names one: the state was saved here)."""
-    history = pd.DataFrame(logs.get("history", []), columns=["step", "seconds", "tokens"])
-    restarts = logs.get("restarts", [])
-    starts = [dict(step=0, seconds=0.0)] + restarts
-    out = []
-    for i, start in enumerate(starts):
-        end = starts[i + 1]["step"] if i + 1 < len(starts) else float("inf")
-        part = history[(history["step"] > start["step"]) & (history["step"] <= end)]
-        gaps = part["seconds"].diff()  # the stretch's first step also took its start-up: never plain
-        plain = gaps[gaps < PLAIN_STEP_S]
-        machine = {k: start.get(k) for k in MACHINE_COLS}
-        if i == len(starts) - 1 and machine["cpu"] is None:
-            machine = {k: here.get(k) for k in MACHINE_COLS}
-        out.append(
-            dict(
-                machine,
-                from_step=start["step"],
-                to_step=int(part["step"].max()) if len(part) else start["step"],
-                seconds=part["seconds"].max() - start["seconds"] if len(part) else 0.0,
-                token_passes=part["tokens"].sum(),
-                plain_steps=len(plain),
-                seconds_per_step=plain.mean(),
-                token_passes_per_second=part["tokens"][plain.index].sum() / plain.sum()
-                if len(plain)
-                else None,
-            )
-        )
-    return out
+def finished_state(out_dir: Path) -> dict | None:
+    """A finished row's config, logs and last step in a saved state's form (finishing removes the state), with
+    the machine that finished it; None if no row finished there."""
+    cfg = finished_config(out_dir)
+    if cfg is None:
+        return None
+    logs = read_logs(out_dir)
+    extra = json.loads((out_dir / "config.json").read_text())["extra"]
+    return dict(config=cfg, logs=logs, step=int(logs["history"][-1]["step"]), machine=extra.get("machine"))
 
 
 def saved_points(run_dir: Path, row: str, label: str) -> dict[str, pd.DataFrame]:
@@ -92,7 +71,7 @@ def saved_points(run_dir: Path, row: str, label: str) -> dict[str, pd.DataFrame]
     learning rate), ``convergence`` (the rule's verdict over the points, :func:`~kvshot_lib.training.convergence_table`,
     at the row's ``converge_z``), ``points`` (the rule's inputs: each point's held-out acc_0 and cross-entropy with
     their standard errors) and ``progress`` (per stretch, :func:`stretches`)."""
-    meta = read_train_state(run_dir / "drafters" / row)
+    meta = read_train_state(run_dir / "drafters" / row) or finished_state(run_dir / "drafters" / row)
     carried = carried_folder(run_dir.parent.parent / "checkpoints" / run_dir.name / row)
     carried_meta = read_carried(carried) if carried_ahead(carried, meta) else None
     meta = carried_meta or meta
@@ -101,7 +80,8 @@ def saved_points(run_dir: Path, row: str, label: str) -> dict[str, pd.DataFrame]
             f"no saved state for {row!r} under {run_dir / 'drafters'} nor {carried}: is it training?"
         )
     cfg = meta["config"]
-    machine = machine_record(resolve_precision(cfg["mixed_precision"], "cpu"))  # a state is this machine's
+    # a state is this machine's; a finished row names the machine that finished it
+    machine = meta.get("machine") or machine_record(resolve_precision(cfg["mixed_precision"], "cpu"))
     label_cols = dict(
         drafter=label,
         paradigm=cfg["paradigm"],
@@ -146,40 +126,6 @@ def beside(table: Path, name: str) -> Path:
 def with_new_drafters(df: pd.DataFrame, earlier: pd.DataFrame) -> pd.DataFrame:
     """``df`` and the rows of ``earlier`` whose drafter ``df`` does not have."""
     return pd.concat([df, earlier[~earlier["drafter"].isin(df["drafter"])]], ignore_index=True)
-
-
-def known_machines(progress: pd.DataFrame, earlier: pd.DataFrame) -> pd.DataFrame:
-    """``progress`` with the machine of each stretch no restart names taken from an ``earlier`` progress table:
-    its row of that drafter for the stretch that began at the same step (``from_step``: a stretch resumed later
-    from ``runs/``, without a restart, ends further on); in a table from before the stretches, its one row, saved
-    at the stretch's end (``saved_step``) on that machine."""
-    key = "from_step" if "from_step" in earlier else "to_step"  # the progress column to match on
-    known = earlier.assign(key=earlier["from_step"] if key == "from_step" else earlier["saved_step"])
-    known = known.dropna(subset=["cpu"]).drop_duplicates(["drafter", "key"], keep="last")
-    known = known.set_index(["drafter", "key"])
-    progress = progress.copy()
-    for i, r in progress[progress["cpu"].isna()].iterrows():
-        if (r["drafter"], r[key]) in known.index:
-            for k in MACHINE_COLS:
-                progress.at[i, k] = known.at[(r["drafter"], r[key]), k]
-    return progress
-
-
-def by_stretch(df: pd.DataFrame, progress: pd.DataFrame, step: str) -> pd.DataFrame:
-    """``df`` with each row's machine taken from the ``progress`` stretch of its drafter that ran its step (column
-    ``step``; step 0, the start's evaluation, is the first stretch's): a row trained over several sessions has
-    points from several machines, and a carried state is read on a machine that ran none of them."""
-    df = df.copy()
-    for i, r in df.iterrows():
-        mine = progress[progress["drafter"] == r["drafter"]]
-        ran = mine[
-            ((mine["from_step"] < r[step]) & (r[step] <= mine["to_step"]))
-            | ((r[step] == 0) & (mine["from_step"] == 0))
-        ]
-        if len(ran):
-            for k in MACHINE_COLS:
-                df.at[i, k] = ran.iloc[0][k]
-    return df
 
 
 def main() -> None:
