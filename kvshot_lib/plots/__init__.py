@@ -8,7 +8,8 @@
   :mod:`.acceptance` (03's acceptance by step, and 02's held-out accuracy beside the paper's Table 5),
   :mod:`.decoding` (03's MAT, 06), :mod:`.specpv` (07);
   their functions take the saved tables (DataFrames), never live objects;
-* :mod:`.registry`: every figure with the tables it reads (:data:`FIGURES`);
+* :mod:`.registry`: every figure with the tables it reads (:data:`FIGURES`); :mod:`.counts`: what each
+  caption line counts;
 * :mod:`.figures`: :func:`publish` (a notebook keeps the tables beside the figure and draws it from them) and
   :func:`redraw` (``kvshot figures``).
 """

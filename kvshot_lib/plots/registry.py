@@ -1,5 +1,5 @@
 """The registry of every figure of the suite: its name, the notebook that writes its tables, the tables and
-columns it reads, the function that draws it and the counts its caption line gives.
+columns it reads, the function that draws it and the counts its caption line gives (:mod:`.counts`).
 
 :data:`FIGURES` is the list of what ``kvshot figures`` can redraw; :mod:`.figures` reads, draws, publishes and
 redraws them. Adding a figure is one :class:`FigureSpec` here, drawn by a function of its notebook family's
@@ -12,6 +12,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import acceptance, corpus, decoding, diagnostics, gap, probes, specpv, training
+from .counts import (
+    acceptance_counts,
+    curve_counts,
+    gap_counts,
+    memorization_counts,
+    n_range,
+    per_step_counts,
+    probe_counts,
+    sequences,
+    specpv_counts,
+    speed_machine,
+    speedup_counts,
+    stopped_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -37,116 +51,7 @@ class FigureSpec:
         return self.command or f"kvshot run --only {self.notebook[:2]}"
 
 
-def _n_range(values) -> str:
-    if not len(values):  # e.g. no step reached the attempts a point needs
-        return "0"
-    lo, hi = int(min(values)), int(max(values))
-    return f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"
-
-
-def _per_step_counts(t):
-    n = t["per_step_accuracy.csv"]["n"]
-    return f"each point: {_n_range(n)} held-out positions; band: 95% Wilson interval"
-
-
-def _acceptance_counts(t):
-    d = t["acceptance_by_step.csv"]
-    d = d[d["mode"] == ("chain" if (d["mode"] == "chain").any() else d["mode"].iloc[0])]
-    shown = d["n_attempts"][d["n_attempts"] >= acceptance.REACH_MIN]
-    turns = t.get("acceptance_bootstrap.csv")
-    over = (
-        f" over {_n_range(turns['n_generations'])} turns"
-        if turns is not None and "n_generations" in turns
-        else ""
-    )
-    return f"each point: {_n_range(shown)} draft attempts{over}; {acceptance.caption()}"
-
-
-def _speedup_counts(t):
-    d = t["speedup.csv"]
-    prompts = f"{int(d['n_prompts'].max())} prompts" if "n_prompts" in d else "MT-bench prompts"
-    machine = d["machine"].iloc[0] if "machine" in d and len(d) else "this machine"
-    reps = int(d["n_reps"].max()) if "n_reps" in d else 1
-    if reps > 1:
-        return f"each point: {prompts}, median of {reps} interleaved repetitions on {machine} (bars: min-max)"
-    return f"each point: {prompts}, one run on {machine}"
-
-
 CURVE_COLUMNS = ["drafter", "paradigm", "regime", "tokens", "metric", "value", "lo", "hi"]
-
-
-def _stopped_rows(t):
-    """The points of the rows whose training stopped short (``stopped_curves.csv``, where present), less any row
-    that has since finished (is in ``learning_curves.csv``)."""
-    stopped = t.get("stopped_curves.csv")
-    return None if stopped is None else stopped[~stopped["drafter"].isin(t["learning_curves.csv"]["drafter"])]
-
-
-def _curve_counts(t):
-    counts = (
-        f"{_n_range(t['learning_curves.csv'].groupby('drafter')['tokens'].nunique())} budgets per drafter, "
-        "each after a WSD decay branch "
-        "(warmup-stable-decay; the last point is the run's own decay); bars: 95% intervals (Wilson; MAT: "
-        "parametric bootstrap)"
-    )
-    stopped = _stopped_rows(t)
-    if stopped is None:
-        return counts
-    last = stopped.sort_values("tokens").groupby("drafter").last()
-    return f"{counts}; stopped: " + ", ".join(
-        f"{name} at step {int(r['saved_step']):,} of {int(r['train_steps']):,} "
-        f"(last point {r['tokens'] / 1e6:.1f}M token-passes)"
-        for name, r in last.iterrows()
-    )
-
-
-def _specpv_counts(t):
-    n = t["specpv_fidelity_runs.csv"].groupby(["context", "budget", "full_every", "mode"]).size().max()
-    return (
-        f"each point: {n} prompts; band: 95% bootstrap interval"
-        if n > 1
-        else "each point: one prompt (no interval)"
-    )
-
-
-def _speed_machine(t, name="specpv_speed.csv"):
-    d = t[name]
-    return f"{int(d['n_prompts'].max())} prompts per context, one run on {d['machine'].iloc[0]}"
-
-
-def _sequences(table: str, what: str = "sequences"):
-    return lambda t: (
-        f"{t[table]['sequence'].nunique()} MT-bench {what} (target-greedy answers); band: 95% bootstrap over them"
-    )
-
-
-def _probe_counts(t):
-    d = t["probe_results.csv"]
-    d = d[d["metric"] == "top1"]
-    return (
-        f"each point: {_n_range(d['n_examples'])} test examples from {int(d['n_docs'].max())} held-out "
-        f"ShareGPT documents, {int(d['n_seeds'].max())} seeds; band: 95% bootstrap over documents"
-    )
-
-
-def _gap_counts(t):
-    g = t["mtbench_gap.csv"]
-    n = int(g.loc[g["name"] == "mtbench_tf", "n"].max())
-    return (
-        "parts: held-out whole answers vs their first 64 tokens; held-out vs MT-bench prompts "
-        f"({n:,} MT-bench positions); every token vs the tokens after a miss (cycle starts); teacher forcing at "
-        "those vs chain decoding. Bars: 95% bootstrap over conversations and turns; lines: step 0, held-out solid, "
-        "MT-bench dashed"
-    )
-
-
-def _memorization_counts(t):
-    g = t["memorization_gap.csv"]
-    return (
-        f"{_n_range(g['conversations_seen'])} seen and {_n_range(g['conversations_unseen'])} unseen conversations "
-        "a drafter; bars: 95% bootstrap over conversations, each set resampled on its own (paired: the same "
-        "conversations for both drafters)"
-    )
 
 
 QUERY_ERROR_COLUMNS = ["drafter", "paradigm", "estimator", "variant", "step", "out_err"]
@@ -170,7 +75,7 @@ SPECS = [
         ("probe_results.csv",),
         lambda t: diagnostics.plot_probe_results(t["probe_results.csv"]),
         {"probe_results.csv": ["kind", "task", "step", "metric", "value", "ci_lo", "ci_hi", "n_examples"]},
-        _probe_counts,
+        probe_counts,
     ),
     FigureSpec(
         "01_information_gap",
@@ -178,7 +83,7 @@ SPECS = [
         ("information_gap.csv", "probe_results.csv"),
         lambda t: diagnostics.plot_information_gap(t["information_gap.csv"]),
         {"information_gap.csv": ["kv_probe", "step", "gap_bits", "ci_lo", "ci_hi", "verdict"]},
-        _probe_counts,
+        probe_counts,
     ),
     FigureSpec(
         "02_per_step_accuracy",
@@ -186,7 +91,7 @@ SPECS = [
         ("per_step_accuracy.csv",),
         lambda t: training.plot_per_step_accuracy(t["per_step_accuracy.csv"]),
         {"per_step_accuracy.csv": ["drafter", "paradigm", "regime", "draft_step", "accuracy", "n"]},
-        _per_step_counts,
+        per_step_counts,
     ),
     FigureSpec(
         "02_paper_table5",
@@ -198,7 +103,7 @@ SPECS = [
             "paper_table5.csv": ["paper_row", *(f"alpha_{k}" for k in range(7))],
         },
         lambda t: (
-            f"ours: {_n_range(t['per_step_accuracy.csv']['n'])} held-out positions a point, band: 95% Wilson "
+            f"ours: {n_range(t['per_step_accuracy.csv']['n'])} held-out positions a point, band: 95% Wilson "
             "interval; paper: Qwen3-8B, ShareGPT ~70k samples × 3 epochs, SpecForge TTT (its Table 5, no interval)"
         ),
         command="python -m kvshot_lib.reference",
@@ -222,7 +127,7 @@ SPECS = [
             ]
         },
         lambda t: (
-            f"each point: {_n_range(t['kv_ablation.csv']['n'])} held-out positions; band: 95% Wilson interval"
+            f"each point: {n_range(t['kv_ablation.csv']['n'])} held-out positions; band: 95% Wilson interval"
         ),
     ),
     FigureSpec(
@@ -244,7 +149,7 @@ SPECS = [
             ]
         },  # fmt: skip
         lambda t: (
-            f"each point: {_n_range(t['heldout_cross.csv']['n'])} held-out positions; band: 95% Wilson interval"
+            f"each point: {n_range(t['heldout_cross.csv']['n'])} held-out positions; band: 95% Wilson interval"
         ),
         command="python -m kvshot_lib.reference --profile onpolicy --steps heldout",
     ),
@@ -263,14 +168,14 @@ SPECS = [
         "02_train_drafters",
         ("learning_curves.csv", "curve_asymptotes.csv"),
         lambda t: training.plot_learning_curves(
-            t["learning_curves.csv"], t["curve_asymptotes.csv"], _stopped_rows(t)
+            t["learning_curves.csv"], t["curve_asymptotes.csv"], stopped_rows(t)
         ),
         {
             "learning_curves.csv": CURVE_COLUMNS,
             "curve_asymptotes.csv": ["drafter", "metric", "a", "a_lo", "a_hi", "identified"],
             "stopped_curves.csv": [*CURVE_COLUMNS, "saved_step", "train_steps"],
         },
-        _curve_counts,
+        curve_counts,
         # the rows whose training stopped short (the reference run's block-kv), where their points were tabled
         # (scripts/reference/partial_curve_points.py --stopped)
         optional=("stopped_curves.csv",),
@@ -281,7 +186,7 @@ SPECS = [
         ("heldout_eval.csv",),
         lambda t: training.plot_heldout_over_training(t["heldout_eval.csv"]),
         {"heldout_eval.csv": ["drafter", "paradigm", "regime", "step", "acc_0"]},
-        lambda t: f"each point: {_n_range(t['heldout_eval.csv']['n_0'])} held-out positions at step 0",
+        lambda t: f"each point: {n_range(t['heldout_eval.csv']['n_0'])} held-out positions at step 0",
     ),
     FigureSpec(
         "03_acceptance_by_step",
@@ -302,7 +207,7 @@ SPECS = [
             ],
             "acceptance_bootstrap.csv": ["drafter", "mode", "temperature", "metric", "lo", "hi"],
         },
-        _acceptance_counts,
+        acceptance_counts,
         optional=("acceptance_bootstrap.csv",),
     ),
     FigureSpec(
@@ -316,7 +221,7 @@ SPECS = [
             "acceptance_summary.csv": ["drafter", "mode", "temperature", "mat"],
             "acceptance_bootstrap.csv": ["drafter", "mode", "temperature", "metric", "lo", "hi"],
         },
-        lambda t: f"each bar: {_n_range(t['acceptance_summary.csv']['n_cycles'])} verification cycles",
+        lambda t: f"each bar: {n_range(t['acceptance_summary.csv']['n_cycles'])} verification cycles",
         optional=("acceptance_bootstrap.csv",),
     ),
     FigureSpec(
@@ -325,7 +230,7 @@ SPECS = [
         ("query_error_by_sequence.csv",),
         lambda t: diagnostics.plot_query_error_by_step(t["query_error_by_sequence.csv"]),
         {"query_error_by_sequence.csv": [*QUERY_ERROR_COLUMNS, "sequence", "kl_bits", "unavailable_mass"]},
-        _sequences("query_error_by_sequence.csv"),
+        sequences("query_error_by_sequence.csv"),
     ),
     FigureSpec(
         "04_query_error_by_head",
@@ -334,7 +239,7 @@ SPECS = [
         lambda t: diagnostics.plot_query_error_by_head(t["query_error_by_head.csv"]),
         {"query_error_by_head.csv": [*QUERY_ERROR_COLUMNS, "level", "layer", "head", "matched", "n"]},
         lambda t: (
-            f"each point: mean over {_n_range(t['query_error_by_head.csv']['n'])} anchors per step, steps averaged"
+            f"each point: mean over {n_range(t['query_error_by_head.csv']['n'])} anchors per step, steps averaged"
         ),
     ),
     FigureSpec(
@@ -343,7 +248,7 @@ SPECS = [
         ("query_error_accepted.csv",),
         lambda t: diagnostics.plot_query_error_vs_acceptance(t["query_error_accepted.csv"]),
         {"query_error_accepted.csv": [*QUERY_ERROR_COLUMNS, "sequence", "accepted"]},
-        _sequences("query_error_accepted.csv"),
+        sequences("query_error_accepted.csv"),
     ),
     FigureSpec(
         "04_query_causal_check",
@@ -363,7 +268,7 @@ SPECS = [
             ]
         },
         lambda t: (
-            f"each point: {_n_range(t['query_causal_check.csv']['n_attempts'][t['query_causal_check.csv']['n_attempts'] >= 20])} "
+            f"each point: {n_range(t['query_causal_check.csv']['n_attempts'][t['query_causal_check.csv']['n_attempts'] >= 20])} "
             "draft attempts; bars: 95% bootstrap over MT-bench turns; steps with < 20 attempts hidden"
         ),
     ),
@@ -415,7 +320,7 @@ SPECS = [
         ("remedy_per_step_accuracy.csv", "remedy_grad_probes.csv"),
         lambda t: probes.plot_remedies(t["remedy_per_step_accuracy.csv"], t["remedy_grad_probes.csv"]),
         {"remedy_per_step_accuracy.csv": ["drafter", "draft_step", "accuracy"]},
-        lambda t: f"each point: {_n_range(t['remedy_per_step_accuracy.csv']['n'])} held-out positions",
+        lambda t: f"each point: {n_range(t['remedy_per_step_accuracy.csv']['n'])} held-out positions",
     ),
     FigureSpec(
         "06_speedup_vs_mat",
@@ -423,7 +328,7 @@ SPECS = [
         ("speedup.csv",),
         lambda t: decoding.plot_speedup_vs_mat(t["speedup.csv"]),
         {"speedup.csv": ["method", "drafter", "temperature", "speedup_vs_ar", "mat"]},
-        _speedup_counts,
+        speedup_counts,
     ),
     FigureSpec(
         "06_cost_model",
@@ -453,7 +358,7 @@ SPECS = [
                 "rouge_l",
             ]
         },
-        _specpv_counts,
+        specpv_counts,
     ),
     FigureSpec(
         "07_specpv_drift",
@@ -471,7 +376,7 @@ SPECS = [
         ("specpv_speed.csv",),
         lambda t: specpv.plot_speed(t["specpv_speed.csv"]),
         {"specpv_speed.csv": ["context", "method", "budget", "full_every", "tokens_per_s", "machine"]},
-        _speed_machine,
+        speed_machine,
     ),
     FigureSpec(
         "07_specpv_phases",
@@ -479,7 +384,7 @@ SPECS = [
         ("specpv_speed.csv",),
         lambda t: specpv.plot_phases(t["specpv_speed.csv"]),
         {"specpv_speed.csv": ["context", "method", "tokens_per_s", *(c for c, _ in specpv.PHASES)]},
-        _speed_machine,
+        speed_machine,
     ),
     FigureSpec(
         "07_specpv_cost_model",
@@ -505,7 +410,7 @@ SPECS = [
             "mtbench_gap.csv": ["drafter", "kind", "name", "value", "lo", "hi"],
             "mtbench_gap_bins.csv": ["drafter", "set", "by", "k", "bin", "accuracy"],
         },
-        _gap_counts,
+        gap_counts,
         command="python scripts/reference/mtbench_gap.py",
     ),
     FigureSpec(
@@ -514,7 +419,7 @@ SPECS = [
         ("memorization_gap.csv",),
         lambda t: gap.plot_memorization_gap(t["memorization_gap.csv"], t.get("memorization_paired.csv")),
         {"memorization_gap.csv": ["drafter", "unseen_set", "measure", "k", "gap", "lo", "hi"]},
-        _memorization_counts,
+        memorization_counts,
         optional=("memorization_paired.csv",),
         command="python scripts/reference/memorization_gap.py",
     ),
