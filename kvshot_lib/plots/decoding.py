@@ -148,6 +148,7 @@ def plot_cost_model(costs: pd.DataFrame, title: str = "What one cycle costs: the
     ax.set_ylabel("ms per target forward")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(frameon=False, fontsize=6)
+    if ax.get_legend_handles_labels()[0]:  # a table with drafter calls only has no lines to name
+        ax.legend(frameon=False, fontsize=6)
     ax.set_title(title)
     return finish_figure(fig)
