@@ -6,8 +6,14 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from kvshot_lib.training import TrainResult, combined_table, training_times
-from kvshot_lib.training.stretches import by_stretch, known_machines, stretches
+from kvshot_lib.training import (
+    TrainResult,
+    by_stretch,
+    combined_table,
+    known_machines,
+    stretches,
+    training_times,
+)
 
 SECONDS = (10.0, 12.0, 14.0, 114.0, 116.0, 119.0)  # step 4 also took the restart's 100 s start-up
 HISTORY = [dict(step=i + 1, seconds=t, tokens=1000 * (i + 1)) for i, t in enumerate(SECONDS)]

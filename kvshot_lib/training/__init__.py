@@ -87,6 +87,7 @@ from .losses import (
 from .online import OnlineBatches, online_eval_set, target_batch
 from .schedule import SCHEDULES, curve_steps, lr_factor, run_end
 from .state import read_train_state
+from .stretches import MACHINE_COLS, by_stretch, known_machines, stretches
 
 __all__ = [
     "SCHEDULES",
@@ -126,6 +127,10 @@ __all__ = [
     "finished_config",
     "gate_summary",
     "machine_of",
+    "MACHINE_COLS",
+    "by_stretch",
+    "known_machines",
+    "stretches",
     "run_machine",
     "run_stretches",
     "grad_stats",

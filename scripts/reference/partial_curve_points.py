@@ -42,16 +42,19 @@ from kvshot_lib.evaluation import curve_table, gap_by_budget
 from kvshot_lib.reference import carried_folder, load_plan
 from kvshot_lib.target import REPO_ROOT, machine_record, resolve_precision
 from kvshot_lib.training import (
+    MACHINE_COLS,
+    by_stretch,
     carried_ahead,
     convergence_table,
     finished_config,
+    known_machines,
     read_carried,
     read_logs,
     read_train_state,
     se_acc,
     se_ce,
+    stretches,
 )
-from kvshot_lib.training.stretches import MACHINE_COLS, by_stretch, known_machines, stretches
 
 
 def finished_state(out_dir: Path) -> dict | None:
