@@ -124,11 +124,18 @@ def build_optimizer(drafter: TrainableDrafter, cfg: TrainConfig) -> torch.optim.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
 
 
-def finished_config(out_dir: str | Path) -> dict | None:
-    """The training config (``TrainConfig.as_dict()``) of the finished run in ``out_dir``; None if none finished there."""
+def finished_extra(out_dir: str | Path) -> dict | None:
+    """The ``extra`` record (training config, machine, ...) of the finished run in ``out_dir``; None if none
+    finished there."""
     path = Path(out_dir) / CONFIG_FILE
     extra = json.loads(path.read_text()).get("extra", {}) if path.is_file() else {}
-    return (extra.get("train_config") or None) if extra.get("completed") else None
+    return extra if extra.get("completed") and extra.get("train_config") else None
+
+
+def finished_config(out_dir: str | Path) -> dict | None:
+    """The training config (``TrainConfig.as_dict()``) of the finished run in ``out_dir``; None if none finished there."""
+    extra = finished_extra(out_dir)
+    return extra["train_config"] if extra else None
 
 
 def _finished(out: Path, cfg: TrainConfig) -> bool:

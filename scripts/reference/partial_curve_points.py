@@ -33,7 +33,6 @@ committed row's.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import pandas as pd
@@ -46,7 +45,7 @@ from kvshot_lib.training import (
     by_stretch,
     carried_ahead,
     convergence_table,
-    finished_config,
+    finished_extra,
     known_machines,
     read_carried,
     read_logs,
@@ -60,12 +59,16 @@ from kvshot_lib.training import (
 def finished_state(out_dir: Path) -> dict | None:
     """A finished row's config, logs and last step in a saved state's form (finishing removes the state), with
     the machine that finished it; None if no row finished there."""
-    cfg = finished_config(out_dir)
-    if cfg is None:
+    extra = finished_extra(out_dir)
+    if extra is None:
         return None
     logs = read_logs(out_dir)
-    extra = json.loads((out_dir / "config.json").read_text())["extra"]
-    return dict(config=cfg, logs=logs, step=int(logs["history"][-1]["step"]), machine=extra.get("machine"))
+    return dict(
+        config=extra["train_config"],
+        logs=logs,
+        step=int(logs["history"][-1]["step"]),
+        machine=extra.get("machine"),
+    )
 
 
 def saved_points(run_dir: Path, row: str, label: str) -> dict[str, pd.DataFrame]:
