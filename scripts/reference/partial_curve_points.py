@@ -27,7 +27,7 @@ between restarts from a carried position, the steps, seconds and token-passes, t
 the machine); ``--stopped`` adds
 the points of rows that will train no further to ``figures/<run>/data/stopped_curves.csv``, which ``kvshot figures`` draws beside the finished rows' learning
 curves (``02_learning_curves``). A label ``row@here`` names a row trained on this machine whose name is also a
-committed row's.
+committed row's and which has not finished.
 """
 
 from __future__ import annotations
@@ -156,7 +156,12 @@ def main() -> None:
     data = REPO_ROOT / "figures" / plan.run_name / "data"
     committed = pd.read_csv(data / "learning_curves.csv")
     where = {r.rpartition(":")[2]: Path(r.rpartition(":")[0] or REPO_ROOT) for r in args.rows}
-    labels = {r: (f"{r}@here" if r in set(committed["drafter"]) else r) for r in where}
+    drafters = {r: root / "runs" / plan.run_name / "drafters" / r for r, root in where.items()}
+    # a row that finished here is the committed row of its name (finishing commits its tables), not beside it
+    labels = {
+        r: (f"{r}@here" if r in set(committed["drafter"]) and not finished_extra(drafters[r]) else r)
+        for r in where
+    }
     states = [saved_points(root / "runs" / plan.run_name, r, labels[r]) for r, root in where.items()]
     saved = {k: pd.concat([t[k] for t in states], ignore_index=True) for k in states[0]}
     keep = Path(args.keep) if args.keep else None
