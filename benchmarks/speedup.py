@@ -12,7 +12,7 @@ Prints and saves ``benchmarks/results/speedup_<machine>[_<dtype>][_4bit].json``.
     python benchmarks/speedup.py [--n-questions 3] [--turns 2] [--max-new-tokens 64] [--threads 1]
     python benchmarks/speedup.py --device cuda --dtype bfloat16 [--load-in-4bit]   # on a GPU
     python benchmarks/speedup.py --run-dir none --drafters ngram --tag reference \
-        --checkpoints checkpoints/reference/hidden-ttt checkpoints/onpolicy/hidden31-ttt-s3   # committed drafters
+        --checkpoints checkpoints/reference/hidden-ttt checkpoints/onpolicy/hidden31-ttt-s4   # committed drafters
 """
 
 from __future__ import annotations

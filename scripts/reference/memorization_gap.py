@@ -13,7 +13,7 @@ Then stage 2's drafter against stage 3's (:data:`PAIR`) on the same conversation
 ``figures/onpolicy/data/memorization_gap.csv`` and ``memorization_paired.csv``, and draws
 ``figures/onpolicy/04_memorization_gap``.
 
-    # stage 2's checkpoint comes back from git history first (the onpolicy profile's comment says how)
+    # stage 2's and stage 3's checkpoints come back from git history first (the onpolicy profile's comment says how)
     .venv/bin/python scripts/reference/memorization_gap.py   # ~20 minutes on 2 CPU cores, 14 once features exist
 """
 
@@ -38,7 +38,7 @@ from kvshot_lib.training import EvalSet
 
 DRAFTERS = {
     "hidden31-ttt-noloop-s2": "runs/onpolicy/drafters/hidden31-ttt-noloop-s2",
-    "hidden31-ttt-s3": "checkpoints/onpolicy/hidden31-ttt-s3",
+    "hidden31-ttt-s3": "runs/onpolicy/drafters/hidden31-ttt-s3",  # from git history (onpolicy profile)
     "hybrid31-ttt-s3": "checkpoints/onpolicy/hybrid31-ttt-s3",
 }
 PAIR = ("hidden31-ttt-noloop-s2", "hidden31-ttt-s3")  # many passes over little data, few over much
