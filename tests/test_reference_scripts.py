@@ -232,3 +232,47 @@ def test_mtbench_gap_measures_named_checkpoints_and_keeps_the_other_drafters_row
     new = pd.DataFrame(dict(drafter=["b", "c"], value=[5, 6]))
     assert merged_table(table, new, ["drafter"]).values.tolist() == [["a", 1], ["b", 5], ["c", 6]]
     assert merged_table(tmp_path / "none.csv", new, ["drafter"]) is new
+
+
+def test_a_row_finished_here_keeps_its_name_and_its_earlier_stretches_machines(tmp_path):
+    """A carried row that finished on this machine is the committed row of its name (no ``@here``); its first
+    stretch, which no restart names, takes its machine from the ``--keep`` table of an earlier session, and its
+    last is the finishing machine's."""
+    out_dir = tmp_path / "runs" / "reference" / "drafters" / "hybrid-ttt"
+    out_dir.mkdir(parents=True)
+    config = dict(mixed_precision="no", paradigm="hybrid", regime="ttt", target_kv="real")
+    finisher = dict(precision="fp32", cpu="CPU C", bf16_isa="none")
+    extra = dict(completed=True, train_config=config, machine=finisher)
+    (out_dir / "config.json").write_text(json.dumps(dict(extra=extra)))
+    steps = pd.DataFrame(dict(step=range(1, 7), seconds=[5.0, 6.0, 7.0, 50.0, 52.0, 54.0], tokens=100))
+    steps.to_csv(out_dir / "history.csv", index=False)  # 1 s a step, then a restart at step 3 and 2 s a step
+    pd.DataFrame([dict(step=3, seconds=7.0)]).to_csv(
+        out_dir / "restarts.csv", index=False
+    )  # names no machine
+    curve = dict(acc_0=0.3, n_0=40000, ce_0=1.7, ce_sd_0=2.0, step=6, budget_step=6, tokens=600)
+    pd.DataFrame([curve]).to_csv(out_dir / "curve.csv", index=False)
+    pd.DataFrame([dict(step=4, acc_0=0.28, n_0=40000)]).to_csv(out_dir / "eval.csv", index=False)
+    keep = tmp_path / "earlier" / "curve.csv"
+    keep.parent.mkdir()
+    pd.DataFrame([dict(drafter="hybrid-ttt", metric="acc_0", value=0.2)]).to_csv(keep, index=False)
+    earlier = dict(drafter="hybrid-ttt", from_step=0, to_step=3, saved_step=3, precision="bf16", cpu="CPU A")
+    pd.DataFrame([dict(earlier, bf16_isa="avx512_bf16")]).to_csv(
+        keep.with_name("curve_progress.csv"), index=False
+    )
+    out = tmp_path / "now" / "curve.csv"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "partial_curve_points.py"), "--rows", f"{tmp_path}:hybrid-ttt",
+         "--keep", str(keep), "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "hybrid-ttt" in set(pd.read_csv(COMMITTED)["drafter"])  # the name a stopped row would label @here
+    assert set(pd.read_csv(out)["drafter"]) == {"hybrid-ttt"}
+    progress = pd.read_csv(out.with_name("curve_progress.csv"))
+    assert progress["cpu"].tolist() == ["CPU A", "CPU C"] and progress["precision"].tolist() == [
+        "bf16",
+        "fp32",
+    ]
+    assert progress["from_step"].tolist() == [0, 3] and progress["to_step"].tolist() == [3, 6]
+    assert progress["seconds_per_step"].tolist() == [pytest.approx(1.0), pytest.approx(2.0)]
+    assert set(pd.read_csv(out)["cpu"]) == {"CPU C"}  # the one point, step 6, ran on the last stretch
