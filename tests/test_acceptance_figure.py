@@ -173,5 +173,5 @@ def test_on_the_committed_chains_the_band_is_nearly_as_wide_as_the_turn_bootstra
     trained = [r for name, r in ratios.items() if name != "ngram"]
     drafters = pd.read_csv(data / "acceptance_summary.csv")["drafter"].nunique()
     assert len(trained) == drafters - 1 and not np.isnan(trained).any()  # every trained drafter
-    assert 0.74 <= min(trained) and max(trained) <= 1.01
+    assert 0.71 <= min(trained) and max(trained) <= 1.01  # the docstring of plots.acceptance: 72-100%
     assert ratios["ngram"] > 2  # no band is drawn for the n-gram drafter (a faint reference)

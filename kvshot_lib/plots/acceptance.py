@@ -15,7 +15,7 @@ drafter faint, as a reference in every panel.
 * Bands: the 95% bootstrap interval over MT-bench turns from ``acceptance_bootstrap.csv`` (alpha_k), and for the
   reach probability those per-step intervals combined along the chain in log space as independent (Greenwood's
   rule for a product of conditional rates; for the on-policy run's trained drafters it implies chain MAT intervals
-  74-100% as wide as the bootstrap's own: ``tests/test_acceptance_figure.py``).
+  72-100% as wide as the bootstrap's own: ``tests/test_acceptance_figure.py``).
 * T=0 on top; a higher temperature below only where the bootstrap table has its intervals.
 """
 
