@@ -156,13 +156,13 @@ def main() -> None:
     data = REPO_ROOT / "figures" / plan.run_name / "data"
     committed = pd.read_csv(data / "learning_curves.csv")
     where = {r.rpartition(":")[2]: Path(r.rpartition(":")[0] or REPO_ROOT) for r in args.rows}
-    drafters = {r: root / "runs" / plan.run_name / "drafters" / r for r, root in where.items()}
+    run_dirs = {r: root / "runs" / plan.run_name for r, root in where.items()}
     # a row that finished here is the committed row of its name (finishing commits its tables), not beside it
     labels = {
-        r: (f"{r}@here" if r in set(committed["drafter"]) and not finished_extra(drafters[r]) else r)
-        for r in where
+        r: (f"{r}@here" if r in set(committed["drafter"]) and not finished_extra(d / "drafters" / r) else r)
+        for r, d in run_dirs.items()
     }
-    states = [saved_points(root / "runs" / plan.run_name, r, labels[r]) for r, root in where.items()]
+    states = [saved_points(d, r, labels[r]) for r, d in run_dirs.items()]
     saved = {k: pd.concat([t[k] for t in states], ignore_index=True) for k in states[0]}
     keep = Path(args.keep) if args.keep else None
     if keep and beside(keep, "progress").is_file():
