@@ -55,8 +55,8 @@ MUTANTS = [
     Mutant(
         "resume_from_step_0",
         "resume ignores the saved state and starts over from step 0",
-        "training/loop.py",
-        [("    meta = read_train_state(out) if resume else None\n", "    meta = None\n")],
+        "training/resume.py",
+        [("    meta = read_train_state(out)\n", "    meta = None\n")],
         [
             "tests/test_training.py::test_resume_is_exact_and_finished_runs_return_from_disk",
             resume("test_a_killed_run_resumes_to_the_uninterrupted_run"),
@@ -66,11 +66,11 @@ MUTANTS = [
     Mutant(
         "early_stopping_state_dropped",
         "the early-stopping state is not restored on resume (a fresh stopper)",
-        "training/loop.py",
+        "training/resume.py",
         [
             (
-                "    meta = load_train_state(out, drafter, optimizer, stopper)",
-                "    meta = load_train_state(out, drafter, optimizer)",
+                "    meta = load_train_state(source.folder.parent, drafter, optimizer, stopper)",
+                "    meta = load_train_state(source.folder.parent, drafter, optimizer)",
             )
         ],
         [resume("test_a_killed_run_resumes_to_the_uninterrupted_run")],

@@ -4,6 +4,7 @@ data positions, with the learning rate warmed up again, and writes the finished 
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,11 @@ from kvshot_lib.training import (
     StoreBatches,
     TrainConfig,
     build_draft_vocab,
-    loop,
     read_carried,
+    read_train_state,
     rewarm_factor,
     train_drafter,
+    trained_alike,
     write_carried,
 )
 
@@ -109,7 +111,7 @@ def test_a_carried_config_holds_no_machine_path_and_still_resumes(tmp_path):
     write_carried(tmp_path, 3, config, {"history": []}, {})
     saved = read_carried(tmp_path)["config"]
     assert saved["init_from"] == str(Path("checkpoints") / "run" / "row")  # relative to the checkout
-    assert loop._trained_alike(saved) == loop._trained_alike(config)  # the same run, so it resumes
+    assert trained_alike(saved) == trained_alike(config)  # the same run, so it resumes
 
 
 def test_the_learning_rate_warms_up_again_after_a_restart():
@@ -222,3 +224,37 @@ def test_early_stopping_is_not_carried(setup, tmp_path):
             setup["target"], *setup["stores"], TrainConfig(**dict(PARAMS, early_stop_patience=2)), tmp_path,
             d2t=setup["d2t"], progress=False, carried=tmp_path / "row.partial",
         )  # fmt: skip
+
+
+def test_a_carried_run_goes_on_after_its_starting_checkpoint_is_retired(setup, tmp_path, monkeypatch):
+    """A continued row (``init_from``) reads its starting checkpoint only when it starts afresh: once it carries its
+    own weights, that checkpoint may leave the repository, and both resumes go on without it."""
+    start, folder = tmp_path / "start", tmp_path / "checkpoints" / "run" / "row.partial"
+    shutil.copytree(setup["whole"].out_dir, start, ignore=shutil.ignore_patterns("*.csv"))
+    cfg, out = TrainConfig(**PARAMS, init_from=str(start)), tmp_path / "first"
+    first_machine(setup, out, folder, monkeypatch, cfg)
+    record = json.loads((folder / "config.json").read_text())["extra"]["init_from"]
+    assert record["copied"]  # the weights did come from the starting checkpoint
+    shutil.rmtree(start)  # retired (git history keeps it)
+
+    seen = steps_asked(monkeypatch, kill_at=9)  # the same machine: from the saved state, optimizer and all
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(
+            setup["target"], *setup["stores"], cfg, out, d2t=setup["d2t"], progress=False, carried=folder,
+            on_save=carry_saver(folder),
+        )  # fmt: skip
+    assert seen == [6, 7, 8] and read_train_state(out)["step"] == read_carried(folder)["step"] == 9
+
+    seen = steps_asked(monkeypatch)  # a new machine: from the carried folder
+    run = train_drafter(
+        setup["target"], *setup["stores"], cfg, tmp_path / "second", d2t=setup["d2t"], progress=False,
+        carried=folder,
+    )  # fmt: skip
+    assert seen == [9, 10, 11] and [r["step"] for r in run.logs["restarts"]] == [9]
+    assert run.drafter.cfg.extra["init_from"] == record  # where the row started, still said
+
+    steps_asked(monkeypatch)  # a fresh start does need it
+    with pytest.raises(FileNotFoundError, match="No drafter checkpoint at .*start"):
+        train_drafter(
+            setup["target"], *setup["stores"], cfg, tmp_path / "third", d2t=setup["d2t"], progress=False
+        )

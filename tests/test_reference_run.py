@@ -555,3 +555,29 @@ def test_a_carried_row_goes_on_in_a_session_without_runs_and_commits_its_checkpo
     history = pd.read_csv(out / "history.csv")
     assert list(history["step"]) == list(range(1, len(history) + 1)) and len(history) > 4  # the whole history
     assert list(pd.read_csv(out / "restarts.csv")["step"]) == [4]
+
+
+def test_a_carried_row_needs_its_starting_checkpoint_only_until_it_carries(tmp_path):
+    """``init_from``: a fresh start needs the starting checkpoint; a carried row that holds a position goes on
+    without it (its committed path kept, for the config that resumes), so that checkpoint can be retired."""
+    from kvshot_lib.reference.run import init_path
+
+    plan = load_plan("onpolicy")
+    row = plan.row("hybrid31-ttt-s4")
+    assert row.carry and row.init_row == "hybrid31-ttt-s3"
+    with pytest.raises(PlanError, match="'hybrid31-ttt-s4' starts from row 'hybrid31-ttt-s3': no checkpoint"):
+        init_path(plan, row, tmp_path)
+    partial = tmp_path / "checkpoints" / "onpolicy" / "hybrid31-ttt-s4.partial"
+    partial.mkdir(parents=True)
+    with pytest.raises(PlanError):  # a folder without a position is no carried state
+        init_path(plan, row, tmp_path)
+    (partial / "trainer.json").write_text(json.dumps({"step": 8300}))
+    assert init_path(plan, row, tmp_path) == str(tmp_path / "checkpoints" / "onpolicy" / "hybrid31-ttt-s3")
+    trained = (
+        tmp_path / "runs" / "onpolicy" / "drafters" / "hybrid31-ttt-s3"
+    )  # where a trained row is found first
+    trained.mkdir(parents=True)
+    (trained / "config.json").write_text("{}")
+    assert init_path(plan, row, tmp_path) == str(trained)
+    with pytest.raises(PlanError):  # an uncarried row still needs it
+        init_path(plan, plan.row("hidden31-ttt-noloop-ft"), tmp_path)

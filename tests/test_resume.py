@@ -21,6 +21,7 @@ from kvshot_lib.training import (
     TrainConfig,
     build_draft_vocab,
     loop,
+    read_train_state,
     train_drafter,
 )
 
@@ -157,7 +158,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_run(
         steps_run(monkeypatch, source, kill_at=saved)  # dies asking for the batch after the saved state
         with pytest.raises(KeyboardInterrupt):
             run()
-    state = loop.read_train_state(tmp_path)
+    state = read_train_state(tmp_path)
     assert state is not None and state["step"] == saved
     assert state["early_stopping"]["best_step"] >= 1  # an early-stopping decision in progress
     seen = steps_run(monkeypatch, source)
@@ -184,7 +185,7 @@ def test_a_run_killed_online_resumes_from_a_store(peaky, data, uninterrupted, tm
     steps_run(monkeypatch, "online", kill_at=saved)
     with pytest.raises(KeyboardInterrupt):
         run("online")
-    assert loop.read_train_state(tmp_path)["config"]["data_source"] == "online"
+    assert read_train_state(tmp_path)["config"]["data_source"] == "online"
     seen = steps_run(monkeypatch, "store")
     resumed = run("store")
     assert seen == list(range(saved, len(whole.logs["history"])))  # resumed, not started over

@@ -14,7 +14,7 @@ from kvshot_lib.training import (
     TrainConfigError,
     batch_from_target,
     evaluate_per_step,
-    loop,
+    read_train_state,
     train_drafter,
 )
 
@@ -154,7 +154,7 @@ def test_resume_is_exact_and_finished_runs_return_from_disk(tiny_llama, stores, 
     assert (tmp_path / "cut" / "state" / "trainer.json").is_file() and not (
         tmp_path / "cut" / "config.json"
     ).exists()
-    assert loop.read_train_state(tmp_path / "cut")["step"] == 3  # save_every=3: the state after step 3
+    assert read_train_state(tmp_path / "cut")["step"] == 3  # save_every=3: the state after step 3
     seen = []
 
     def recorded(self, step):

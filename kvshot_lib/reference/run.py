@@ -37,6 +37,7 @@ import torch
 from ..corpus import regenerate_sharegpt
 from ..target import load_target
 from ..target.assets import REPO_ROOT
+from ..training.carry import carried_step
 from .checkpoints import carried_folder, carry_saver, commit_checkpoint, stretch_table
 from .data import (
     RowData,
@@ -99,12 +100,17 @@ def checkpoint_path(plan: Plan, name: str, root: Path = REPO_ROOT) -> Path:
 
 
 def init_path(plan: Plan, row: Row, root: Path = REPO_ROOT) -> str | None:
-    """The checkpoint a row starts from (``init_from: <row>``), if any."""
+    """The checkpoint a row starts from (``init_from: <row>``), if any. A carried row whose folder holds a position
+    keeps its committed path without it: it goes on from its own weights, and its starting checkpoint may have left
+    the repository (git history keeps it)."""
     if row.init_row is None:
         return None
     try:
         return str(checkpoint_path(plan, row.init_row, root))
     except PlanError as e:
+        committed = Path("checkpoints") / plan.run_name
+        if row.carry and carried_step(Path(root) / carried_folder(committed / row.name)):
+            return str(Path(root) / committed / row.init_row)
         raise PlanError(f"row {row.name!r} starts from row {row.init_row!r}: {e}") from None
 
 

@@ -4,8 +4,8 @@
   parameter dict becomes a validated configuration;
 * ``data.py``: what a run trains on (``data_source``): feature stores (``batches.py``) or tokenized splits,
   the target run inside the loop (``online.py``); ``init_from_checkpoint``;
-* ``loop.py``: :func:`train_drafter`, one drafter's run, with resume (``state.py``; between machines,
-  ``carry.py``) and ``accelerate``;
+* ``loop.py``: :func:`train_drafter`, one drafter's run, with ``accelerate``; ``resume.py``: where a run goes on
+  from (its saved state, ``state.py``; between machines, a carried folder, ``carry.py``);
   ``losses.py``: the regimes' objectives (teacher forcing, TTT, ``ttt_dense``, ``parallel``);
 * ``schedule.py``: the learning rate (cosine, warmup-stable-decay) and the learning-curve budgets;
   ``convergence.py``: when to stop (``Stopping``: plateau, early stopping, time cap) and run summaries;
@@ -65,7 +65,6 @@ from .heldout import (
 )
 from .kv_ablation import KV_CONDITIONS, kv_ablation_table, with_target_kv, zero_target_kv
 from .loop import (
-    LOG_TABLES,
     Objective,
     TrainResult,
     build_draft_vocab,
@@ -86,6 +85,7 @@ from .losses import (
     step_mask,
 )
 from .online import OnlineBatches, online_eval_set, target_batch
+from .resume import LOG_TABLES, SOURCE_KEYS, resume_source, trained_alike
 from .schedule import SCHEDULES, curve_steps, lr_factor, run_end
 from .state import read_train_state
 from .stretches import MACHINE_COLS, by_stretch, known_machines, stretches
@@ -109,6 +109,7 @@ __all__ = [
     "GradProbe",
     "KV_CONDITIONS",
     "LOG_TABLES",
+    "SOURCE_KEYS",
     "Objective",
     "OnlineBatches",
     "PROBE_TABLES",
@@ -155,6 +156,7 @@ __all__ = [
     "read_logs",
     "read_carried",
     "read_train_state",
+    "resume_source",
     "regime_loss",
     "portable_init",
     "answer_positions",
@@ -168,6 +170,7 @@ __all__ = [
     "target_batch",
     "target_sequence",
     "train_drafter",
+    "trained_alike",
     "write_carried",
     "training_times",
     "with_target_kv",

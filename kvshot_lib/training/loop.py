@@ -25,7 +25,6 @@ import copy
 import json
 import shutil
 import time
-import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,17 +40,16 @@ from ..drafters.trainable import TrainableDrafter
 from ..drafters.vocab import count_tokens, draft_vocab_from_counts
 from ..target import Target
 from ..target.precision import autocast, machine_record, resolve_precision
-from .carry import carried_ahead, load_carried_weights, read_carried, rewarm_factor
+from .carry import rewarm_factor
 from .config import TrainConfig
-from .convergence import EarlyStopping, Stopping, plateau, portable_init
+from .convergence import Stopping, plateau
 from .data import data_source, describe_data, init_from_checkpoint
-from .grad_probes import PROBE_TABLES, GradProbe, grouped_parameters
+from .grad_probes import GradProbe, grouped_parameters
 from .heldout import EvalSet, evaluate_per_step, gate_summary
 from .losses import branch_valid, regime_loss, sample_anchors, sample_branches, step_mask
+from .resume import LOG_TABLES, kept_init, resume_point, resume_source
 from .schedule import curve_steps, decay_length, decay_start, linear_decay, lr_factor
-from .state import STATE_DIR, load_train_state, read_train_state, save_train_state
-
-LOG_TABLES = ("history", "eval", "curve", "restarts", *PROBE_TABLES)  # restarts: resumed from a carried state
+from .state import STATE_DIR, save_train_state
 
 
 @dataclass
@@ -195,13 +193,15 @@ def train_drafter(
         return TrainResult(drafter, out, cfg, read_logs(out), extra.get("train_seconds", 0.0))
     data = data_source(cfg, target, train_store, eval_store)
     data.check()
-    drafter = new_drafter(target, train_store, eval_store, cfg, d2t)
+    source = resume_source(out, cfg, resume, carried)
+    record = kept_init(source, carried)  # then the starting checkpoint is not read again (it may be gone)
+    drafter = new_drafter(target, train_store, eval_store, cfg, d2t, init=record is None)
+    if record is not None:
+        drafter.cfg.extra["init_from"] = record
     acc = accelerator or make_accelerator(cfg, target.info.device)
     optimizer = build_optimizer(drafter, cfg)
     stopping = Stopping(cfg)
-    start, logs, seconds = _resume_point(
-        out, cfg, drafter, optimizer, stopping.early, resume, carried, target, precision
-    )
+    start, logs, seconds = resume_point(source, drafter, optimizer, stopping.early, target, precision)
     for group in optimizer.param_groups:
         group.setdefault("base_lr", group["lr"])
     objective, optimizer = acc.prepare(Objective(drafter, cfg, precision), optimizer)
@@ -273,9 +273,10 @@ def train_drafter(
 
 
 def new_drafter(
-    target: Target, train_store, eval_store, cfg: TrainConfig, d2t: torch.Tensor | None
+    target: Target, train_store, eval_store, cfg: TrainConfig, d2t: torch.Tensor | None, init: bool = True
 ) -> TrainableDrafter:
-    """A freshly initialized drafter for ``cfg``, after checking that both feature stores fit it."""
+    """A freshly initialized drafter for ``cfg``, after checking that both feature stores fit it; ``init``: copy
+    ``cfg.init_from`` in (False for a run about to load weights of its own from a resumed state)."""
     dcfg = drafter_config_for(
         target,
         cfg.paradigm,
@@ -298,83 +299,13 @@ def new_drafter(
     data_source(cfg, target, train_store, eval_store).check_compatible(dcfg)
     d2t = build_draft_vocab(train_store, target, dcfg.draft_vocab_size) if d2t is None else d2t
     drafter = build_drafter(dcfg, target, d2t.cpu(), seed=cfg.seed)
+    if not init:
+        return drafter
     if cfg.init_from == "target":  # the KV drafter's attention from the target layers it reads
         drafter.cfg.extra["init_from"] = init_attention_from_target(drafter, target)
     elif cfg.init_from:
         drafter.cfg.extra["init_from"] = init_from_checkpoint(drafter, cfg.init_from, target)
     return drafter
-
-
-# where the target's features come from, not what they are: a store's batches equal online ones (online.py), so a
-# run may resume from the other source (e.g. online until a store is extracted)
-SOURCE_KEYS = ("data_source",)
-
-
-def _trained_alike(config: dict) -> dict:
-    """A run's config without :data:`SOURCE_KEYS`, its ``init_from`` as committed files show it (a carried state's
-    is relative to the checkout): a saved state resumes when these are equal."""
-    alike = {k: v for k, v in config.items() if k not in SOURCE_KEYS}
-    return dict(alike, init_from=portable_init(alike.get("init_from")))
-
-
-def _resume_point(
-    out: Path,
-    cfg: TrainConfig,
-    drafter: TrainableDrafter,
-    optimizer,
-    stopper: EarlyStopping,
-    resume: bool,
-    carried: str | Path | None = None,
-    target: Target | None = None,
-    precision: str = "no",
-) -> tuple[int, dict, float]:
-    """(first step, logs so far, seconds so far): from the saved state of the same config, or from the
-    ``carried`` folder when that is further along (a restart: fresh optimizer, the learning rate warmed up
-    again), or a fresh start. The drafter, the optimizer and the early-stopping state are restored in place."""
-    meta = read_train_state(out) if resume else None
-    fresh = 0, {name: [] for name in LOG_TABLES}, 0.0
-    if resume and carried_ahead(carried, meta):
-        moved = read_carried(carried)
-        if _alike(moved["config"], cfg, Path(carried)):
-            return _carried_point(Path(carried), moved, drafter, stopper, target, precision)
-    if meta is None or not _alike(meta["config"], cfg, out / STATE_DIR):
-        return fresh
-    meta = load_train_state(out, drafter, optimizer, stopper)
-    logs = meta["logs"]
-    for name in LOG_TABLES:  # a state saved before a table existed
-        logs.setdefault(name, [])
-    return meta["step"], logs, logs.pop("_seconds", 0.0)
-
-
-def _alike(saved: dict, cfg: TrainConfig, where: Path) -> bool:
-    """Whether a state saved under config ``saved`` resumes under ``cfg``; said, not silent, when not: hours of
-    training may be behind that state."""
-    old, new = _trained_alike(saved), _trained_alike(cfg.as_dict())
-    if old != new:
-        changed = ", ".join(sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)))
-        warnings.warn(f"{where} was saved under another config ({changed}): starting over", stacklevel=4)
-    return old == new
-
-
-def _carried_point(
-    folder: Path,
-    meta: dict,
-    drafter: TrainableDrafter,
-    stopper: EarlyStopping,
-    target: Target,
-    precision: str,
-) -> tuple[int, dict, float]:
-    """Resume from a carried folder (:mod:`.carry`; ``meta``: what :func:`~.carry.read_carried` read there): its
-    weights, logs and early-stopping counters, a restart logged at its step with the machine that goes on (in the
-    run's resolved ``precision``)."""
-    load_carried_weights(folder, drafter, target.info)
-    stopper.load_state_dict(meta["early_stopping"], {})
-    logs = {name: meta["logs"].get(name, []) for name in LOG_TABLES}
-    seconds = meta["logs"].get("_seconds", 0.0)
-    machine = machine_record(precision, target.info.device)
-    here = {k: machine[k] for k in ("precision", "cpu", "bf16_isa", "threads")}
-    logs["restarts"].append(dict(step=meta["step"], seconds=seconds, source=folder.name, **here))
-    return meta["step"], logs, seconds
 
 
 @dataclass

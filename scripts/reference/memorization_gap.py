@@ -39,7 +39,7 @@ from kvshot_lib.training import EvalSet
 DRAFTERS = {
     "hidden31-ttt-noloop-s2": "runs/onpolicy/drafters/hidden31-ttt-noloop-s2",
     "hidden31-ttt-s3": "runs/onpolicy/drafters/hidden31-ttt-s3",  # from git history (onpolicy profile)
-    "hybrid31-ttt-s3": "checkpoints/onpolicy/hybrid31-ttt-s3",
+    "hybrid31-ttt-s3": "runs/onpolicy/drafters/hybrid31-ttt-s3",  # from git history (onpolicy profile)
 }
 PAIR = ("hidden31-ttt-noloop-s2", "hidden31-ttt-s3")  # many passes over little data, few over much
 WIDEST = "hidden31-ttt-s3"  # the row whose slice holds every other row's (the unseen pool of a smaller slice)

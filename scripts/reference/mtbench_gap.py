@@ -47,7 +47,7 @@ from kvshot_lib.training import EvalSet
 
 DRAFTERS = {
     "hidden31-ttt-s4": "checkpoints/onpolicy/hidden31-ttt-s4",
-    "hybrid31-ttt-s3": "checkpoints/onpolicy/hybrid31-ttt-s3",
+    "hybrid31-ttt-s3": "runs/onpolicy/drafters/hybrid31-ttt-s3",  # from git history (onpolicy profile)
     "hidden31-ttt@reference": "checkpoints/reference/hidden31-ttt",
 }
 FIRST = 64
