@@ -13,7 +13,7 @@ import torch
 
 from kvshot_lib.corpus import FeatureStore
 from kvshot_lib.plots import redraw
-from kvshot_lib.reference import PlanError, load_plan, run_reference, status, tables
+from kvshot_lib.reference import PlanError, init_path, load_plan, run_reference, status, tables
 from kvshot_lib.target import cache_dir, load_target
 from kvshot_lib.training import budget_note
 
@@ -560,8 +560,6 @@ def test_a_carried_row_goes_on_in_a_session_without_runs_and_commits_its_checkpo
 def test_a_carried_row_needs_its_starting_checkpoint_only_until_it_carries(tmp_path):
     """``init_from``: a fresh start needs the starting checkpoint; a carried row that holds a position goes on
     without it (its committed path kept, for the config that resumes), so that checkpoint can be retired."""
-    from kvshot_lib.reference.run import init_path
-
     plan = load_plan("onpolicy")
     row = plan.row("hybrid31-ttt-s4")
     assert row.carry and row.init_row == "hybrid31-ttt-s3"

@@ -1,7 +1,8 @@
 """The on-policy run's MT-bench acceptance gap, decomposed (:mod:`kvshot_lib.diagnostics.mtbench_gap`).
 
-For the committed headline drafters (``hidden31-ttt-s4``, ``hybrid31-ttt-s3`` and ``hidden31-ttt@reference``; the
-committed tables hold ``hidden31-ttt-s3``'s as well, measured while it was committed), on the default target in float32:
+For the committed headline drafters (``hidden31-ttt-s4`` and ``hidden31-ttt@reference``; the committed tables hold
+``hidden31-ttt-s3``'s and ``hybrid31-ttt-s3``'s as well, measured while they were committed), on the default target
+in float32:
 teacher-forced acc_0..acc_6 on the 160 MT-bench greedy references (80 questions x 2 turns, 64 tokens, cut at the
 stop token) and on the on-policy held-out set with loops cut (whole answers, and each answer's first 64 tokens),
 the chain replay's alpha_0 on the same references, and the gap between them split into answer position, prompt
@@ -14,8 +15,8 @@ other drafters' rows stay.
 
     .venv/bin/python scripts/reference/mtbench_gap.py        # about 20 minutes on 2 CPU cores
     .venv/bin/python scripts/reference/mtbench_gap.py --drafter hidden31-ttt-noloop-ft=runs/onpolicy/drafters/hidden31-ttt-noloop-ft
-    # hidden31-ttt-s3 again: into runs/ from git history first (the onpolicy profile's comment says how)
-    .venv/bin/python scripts/reference/mtbench_gap.py --drafter hidden31-ttt-s3=runs/onpolicy/drafters/hidden31-ttt-s3
+    # hybrid31-ttt-s3 again: into runs/ from git history first (the onpolicy profile's comment says how)
+    .venv/bin/python scripts/reference/mtbench_gap.py --drafter hybrid31-ttt-s3=runs/onpolicy/drafters/hybrid31-ttt-s3
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from kvshot_lib.training import EvalSet
 
 DRAFTERS = {
     "hidden31-ttt-s4": "checkpoints/onpolicy/hidden31-ttt-s4",
-    "hybrid31-ttt-s3": "runs/onpolicy/drafters/hybrid31-ttt-s3",  # from git history (onpolicy profile)
     "hidden31-ttt@reference": "checkpoints/reference/hidden31-ttt",
 }
 FIRST = 64
