@@ -9,6 +9,7 @@ weights (``tests/test_carry.py::test_a_carried_run_goes_on_after_its_starting_ch
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from ..drafters.checkpoint import CONFIG_FILE, read_config
 from ..drafters.trainable import TrainableDrafter
 from ..target import Target
 from ..target.precision import machine_record
-from .carry import carried_ahead, load_carried_weights, read_carried
+from .carry import TRAINER_FILE, carried_ahead, carried_step, load_carried_weights, read_carried
 from .config import TrainConfig
 from .convergence import EarlyStopping, portable_init
 from .grad_probes import PROBE_TABLES
@@ -73,10 +74,14 @@ def resume_source(
     return None
 
 
-def kept_init(source: ResumeSource | None, carried: str | Path | None) -> dict | None:
+def kept_init(source: ResumeSource | None, cfg: TrainConfig, carried: str | Path | None) -> dict | None:
     """The record of where a resumed run started (the drafter config's ``extra["init_from"]``), kept by its carried
-    folder; None when the run must copy its starting checkpoint (a fresh start, or no carried record)."""
-    if source is None or carried is None or not (Path(carried) / CONFIG_FILE).is_file():
+    folder of the same config; None when the run must copy its starting checkpoint (a fresh start, or no such
+    record)."""
+    if source is None or carried_step(carried) is None or not (Path(carried) / CONFIG_FILE).is_file():
+        return None
+    saved = json.loads((Path(carried) / TRAINER_FILE).read_text())["config"]
+    if trained_alike(saved) != trained_alike(cfg.as_dict()):
         return None
     return read_config(carried).extra.get("init_from")
 
