@@ -194,9 +194,8 @@ def train_drafter(
     data = data_source(cfg, target, train_store, eval_store)
     data.check()
     source = resume_source(out, cfg, resume, carried)
-    record = kept_init(
-        source, cfg, carried
-    )  # then the starting checkpoint is not read again (it may be gone)
+    # a resumed run keeps its carried record of where it started, and does not read that checkpoint again (it may be gone)
+    record = kept_init(source, cfg, carried)
     drafter = new_drafter(target, train_store, eval_store, cfg, d2t, init=record is None)
     if record is not None:
         drafter.cfg.extra["init_from"] = record

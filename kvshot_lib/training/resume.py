@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..drafters.checkpoint import CONFIG_FILE, read_config
+from ..drafters.checkpoint import read_config
 from ..drafters.trainable import TrainableDrafter
 from ..target import Target
 from ..target.precision import machine_record
@@ -78,7 +78,7 @@ def kept_init(source: ResumeSource | None, cfg: TrainConfig, carried: str | Path
     """The record of where a resumed run started (the drafter config's ``extra["init_from"]``), kept by its carried
     folder of the same config; None when the run must copy its starting checkpoint (a fresh start, or no such
     record)."""
-    if source is None or carried_step(carried) is None or not (Path(carried) / CONFIG_FILE).is_file():
+    if source is None or carried_step(carried) is None:  # trainer.json is written last: the folder is whole
         return None
     saved = json.loads((Path(carried) / TRAINER_FILE).read_text())["config"]
     if trained_alike(saved) != trained_alike(cfg.as_dict()):
