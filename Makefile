@@ -48,7 +48,7 @@ test-slow: setup
 test-all: test test-slow
 
 # Mutation checks: each planted bug must make the tests named after it fail; exits non-zero if a mutant
-# survives (issue 12's KV cut, ~1 min; issue 21's mutants, ~15 min; the notebook mutants need `make smoke`).
+# survives (issue 12's KV cut, then issue 21's mutants; the notebook mutants need `make smoke`).
 mutants: setup
 	$(BIN)/python tests/mutation_kv_cut.py
 	$(BIN)/python tests/mutation_issue21.py
