@@ -89,7 +89,7 @@ def drafter_dir(plan: Plan, root: Path = REPO_ROOT) -> Path:
 
 def checkpoint_path(plan: Plan, name: str, root: Path = REPO_ROOT) -> Path:
     """A trained row's checkpoint: in ``runs/<run>/drafters/``, else the committed ``checkpoints/<run>/``."""
-    places = (drafter_dir(plan, root) / name, Path(root) / "checkpoints" / plan.run_name / name)
+    places = (drafter_dir(plan, root) / name, Path(root) / committed_path(plan, name))
     for path in places:
         if (path / "config.json").is_file():
             return path
@@ -97,6 +97,16 @@ def checkpoint_path(plan: Plan, name: str, root: Path = REPO_ROOT) -> Path:
         f"no checkpoint of row {name!r} in {', '.join(map(str, places))}. Train it first "
         f"(--steps train --rows {name}), or evaluate other rows with --rows."
     )
+
+
+def committed_path(plan: Plan, name: str) -> Path:
+    """Where row ``name``'s checkpoint is committed, relative to the checkout."""
+    return Path("checkpoints") / plan.run_name / name
+
+
+def carried_path(plan: Plan, name: str, root: Path = REPO_ROOT) -> Path:
+    """Row ``name``'s carried folder (``<checkpoint>.partial``, :mod:`~kvshot_lib.training.carry`) under ``root``."""
+    return Path(root) / carried_folder(committed_path(plan, name))
 
 
 def init_path(plan: Plan, row: Row, root: Path = REPO_ROOT) -> str | None:
@@ -108,9 +118,8 @@ def init_path(plan: Plan, row: Row, root: Path = REPO_ROOT) -> str | None:
     try:
         return str(checkpoint_path(plan, row.init_row, root))
     except PlanError as e:
-        committed = Path("checkpoints") / plan.run_name
-        if row.carry and carried_step(Path(root) / carried_folder(committed / row.name)):
-            return str(Path(root) / committed / row.init_row)
+        if row.carry and carried_step(carried_path(plan, row.name, root)):
+            return str(Path(root) / committed_path(plan, row.init_row))
         raise PlanError(f"row {row.name!r} starts from row {row.init_row!r}: {e}") from None
 
 
@@ -206,8 +215,8 @@ def train_rows(plan: Plan, target, names: list[str], root: Path, progress: bool,
         steps = train_steps_for(plan, row, data[key])
         own = dict({"train_steps": steps} if steps else {}, **overrides)
         init = init_path(plan, row, root)
-        rel = Path("checkpoints") / plan.run_name / name
-        carried = Path(root) / carried_folder(rel) if row.carry else None
+        rel = committed_path(plan, name)
+        carried = carried_path(plan, name, root) if row.carry else None
         result, summary = train_row(
             plan,
             row,
@@ -340,7 +349,7 @@ def status(plan: Plan, root: Path = REPO_ROOT) -> pd.DataFrame:
             row=name, state="not started", step=None, cap=None, token_passes=None, acc_0=None, hours=None
         )
         meta = read_train_state(out)
-        carried = Path(root) / carried_folder(Path("checkpoints") / plan.run_name / name)
+        carried = carried_path(plan, name, root)
         state = "training"
         if carried_ahead(carried, meta):
             meta, state = read_carried(carried), "carried"  # to go on from, on this machine or another
