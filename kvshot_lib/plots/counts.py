@@ -80,6 +80,20 @@ def speed_machine(t, name="specpv_speed.csv"):
     return f"{int(d['n_prompts'].max())} prompts per context, one run on {d['machine'].iloc[0]}"
 
 
+# how a cost model's format (the first field of its key, ``decoding.cost_model.FORMAT``) summarised its timings
+COST_STATISTIC = {
+    "costs/3": "verification: the fastest of repeated timings, drafter calls: their lower quartile"
+}
+
+
+def cost_counts(t):
+    d = t["cost_models.csv"]
+    if "key" not in d:
+        return "repeated timings"
+    fmt, machine = d["key"].iloc[0].split("|")[:2]
+    return f"{COST_STATISTIC.get(fmt, 'the median of repeated timings')}; {machine}"
+
+
 def sequences(table: str, what: str = "sequences"):
     return lambda t: (
         f"{t[table]['sequence'].nunique()} MT-bench {what} (target-greedy answers); band: 95% bootstrap over them"

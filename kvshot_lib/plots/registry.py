@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from . import acceptance, corpus, decoding, diagnostics, gap, probes, specpv, training
 from .counts import (
     acceptance_counts,
+    cost_counts,
     curve_counts,
     gap_counts,
     memorization_counts,
@@ -336,11 +337,7 @@ SPECS = [
         ("cost_models.csv",),
         lambda t: decoding.plot_cost_model(t["cost_models.csv"]),
         {"cost_models.csv": ["precision", "part", "drafter", "n", "seconds"]},
-        lambda t: (
-            f"lower quartile of repeated timings; {t['cost_models.csv']['key'].iloc[0].split('|')[1]}"
-            if "key" in t["cost_models.csv"]
-            else "lower quartile of repeated timings"
-        ),
+        cost_counts,
     ),
     FigureSpec(
         "07_specpv_fidelity",
