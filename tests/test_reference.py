@@ -5,11 +5,14 @@
 * Early stopping on held-out acceptance, the plateau measure and ``init_from``.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from kvshot_lib.corpus import extract_features, tokenize_sharegpt
 from kvshot_lib.drafters import build_drafter, count_tokens, drafter_config_for, load_drafter
+from kvshot_lib.reference.run import kv_ablation
 from kvshot_lib.target import load_target
 from kvshot_lib.training import (
     EarlyStopping,
@@ -118,6 +121,17 @@ def test_online_training_has_the_store_losses(peaky, splits, stores, tmp_path, p
     for ea, eb in zip(a["eval"], b["eval"]):
         for key in ("acc_0", "acc_2", "ce_0", "ceiling"):
             assert eb[key] == pytest.approx(ea[key], rel=1e-4, abs=1e-5), (ea["step"], key)
+    # the held-out KV ablation of an online row computes the held-out features: the store row's numbers
+    ablations = {
+        source: kv_ablation(None, None, runs[source], peaky, SimpleNamespace(held=held)).set_index(
+            ["condition", "draft_step"]
+        )
+        for source, (_, held) in (("store", stores), ("online", splits))
+    }
+    assert set(ablations["online"].index.get_level_values(0)) == {"real", "zeroed", "shuffled"}
+    for key, row in ablations["store"].iterrows():
+        assert ablations["online"].loc[key, "accuracy"] == pytest.approx(row["accuracy"], abs=1e-9), key
+        assert ablations["online"].loc[key, "n"] == row["n"] > 0, key
     assert "online" in load_drafter(tmp_path / "online", peaky).cfg.extra["train_store"]
     extra = load_drafter(tmp_path / "store", peaky).cfg.extra  # a store by its folder's name, never a path
     assert (extra["train_store"], extra["eval_store"]) == ("train", "eval")

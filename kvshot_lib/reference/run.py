@@ -189,13 +189,11 @@ def finished_already(out_dir: Path, cfg) -> bool:
 
 
 def kv_ablation(plan: Plan, row: Row, result, target, data: RowData) -> pd.DataFrame:
-    """The row's held-out accuracy with the target KV real, zeroed and shuffled (empty for a non-KV reader, or
-    online data: the ablation reads the held-out feature store)."""
+    """The row's held-out accuracy with the target KV real, zeroed and shuffled (empty for a non-KV reader); an
+    online row's target computes the held-out features, as in its training."""
     from ..training import kv_ablation_table
 
     c = result.config
-    if c.data_source != "store":
-        return pd.DataFrame()
     return kv_ablation_table(
         [result], data.held, target, c.eval_steps, c.eval_sequences, c.batch_size, c.max_tokens,
         c.eval_branch_fraction,
