@@ -6,6 +6,7 @@ and the figures; a second run reads the finished rows back instead of training t
 import dataclasses
 import json
 import math
+import shutil
 
 import pandas as pd
 import pytest
@@ -558,8 +559,9 @@ def test_a_carried_row_goes_on_in_a_session_without_runs_and_commits_its_checkpo
 
 
 def test_a_carried_row_needs_its_starting_checkpoint_only_until_it_carries(tmp_path):
-    """``init_from``: a fresh start needs the starting checkpoint; a carried row that holds a position goes on
-    without it (its committed path kept, for the config that resumes), so that checkpoint can be retired."""
+    """``init_from``: a fresh start needs the starting checkpoint; a carried row that holds a position, or its
+    finished weights in ``runs/``, goes on (or is read back) without it (its committed path kept, for the config
+    that resumes), so that checkpoint can be retired."""
     plan = load_plan("onpolicy")
     row = plan.row("hybrid31-ttt-s4")
     assert row.carry and row.init_row == "hybrid31-ttt-s3"
@@ -570,7 +572,16 @@ def test_a_carried_row_needs_its_starting_checkpoint_only_until_it_carries(tmp_p
     with pytest.raises(PlanError):  # a folder without a position is no carried state
         init_path(plan, row, tmp_path)
     (partial / "trainer.json").write_text(json.dumps({"step": 8300}))
-    assert init_path(plan, row, tmp_path) == str(tmp_path / "checkpoints" / "onpolicy" / "hybrid31-ttt-s3")
+    committed = str(tmp_path / "checkpoints" / "onpolicy" / "hybrid31-ttt-s3")
+    assert init_path(plan, row, tmp_path) == committed
+    # finished: its checkpoint took the position's place, and runs/ holds it (read back)
+    shutil.rmtree(partial)
+    own = tmp_path / "runs" / "onpolicy" / "drafters" / "hybrid31-ttt-s4"
+    own.mkdir(parents=True)
+    with pytest.raises(PlanError):  # an empty folder holds no weights
+        init_path(plan, row, tmp_path)
+    (own / "config.json").write_text("{}")
+    assert init_path(plan, row, tmp_path) == committed
     trained = (
         tmp_path / "runs" / "onpolicy" / "drafters" / "hybrid31-ttt-s3"
     )  # where a trained row is found first

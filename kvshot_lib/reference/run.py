@@ -110,15 +110,18 @@ def carried_path(plan: Plan, name: str, root: Path = REPO_ROOT) -> Path:
 
 
 def init_path(plan: Plan, row: Row, root: Path = REPO_ROOT) -> str | None:
-    """The checkpoint a row starts from (``init_from: <row>``), if any. A carried row whose folder holds a position
-    keeps its committed path without it: it goes on from its own weights, and its starting checkpoint may have left
-    the repository (git history keeps it)."""
+    """The checkpoint a row starts from (``init_from: <row>``), if any. A carried row that holds its own weights (a
+    position in its carried folder, or a state or finished checkpoint in ``runs/``) keeps its committed path without
+    it: it goes on from, or is read back from, those weights, and its starting checkpoint may have left the
+    repository (git history keeps it)."""
     if row.init_row is None:
         return None
     try:
         return str(checkpoint_path(plan, row.init_row, root))
     except PlanError as e:
-        if row.carry and carried_step(carried_path(plan, row.name, root)):
+        own = drafter_dir(plan, root) / row.name
+        held = (own / "config.json").is_file() or (own / "state" / "trainer.json").is_file()
+        if row.carry and (held or carried_step(carried_path(plan, row.name, root))):
             return str(Path(root) / committed_path(plan, row.init_row))
         raise PlanError(f"row {row.name!r} starts from row {row.init_row!r}: {e}") from None
 
