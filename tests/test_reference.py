@@ -12,7 +12,7 @@ import torch
 
 from kvshot_lib.corpus import extract_features, tokenize_sharegpt
 from kvshot_lib.drafters import build_drafter, count_tokens, drafter_config_for, load_drafter
-from kvshot_lib.reference.run import kv_ablation
+from kvshot_lib.reference import kv_ablation
 from kvshot_lib.target import load_target
 from kvshot_lib.training import (
     EarlyStopping,

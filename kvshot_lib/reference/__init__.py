@@ -14,7 +14,7 @@ from . import checkpoints, data, heldout, plan, run, tables
 from .checkpoints import carried_folder, carry_saver, checkpoint_folders, commit_checkpoint, folder_bytes
 from .heldout import cross_heldout, heldout_sets
 from .plan import Plan, PlanError, Row, load_plan
-from .run import init_path, run_reference, status
+from .run import init_path, kv_ablation, run_reference, status
 from .tables import merged_table, replace_rows, update_run
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "heldout",
     "heldout_sets",
     "init_path",
+    "kv_ablation",
     "load_plan",
     "merged_table",
     "plan",
