@@ -123,9 +123,7 @@ def test_online_training_has_the_store_losses(peaky, splits, stores, tmp_path, p
             assert eb[key] == pytest.approx(ea[key], rel=1e-4, abs=1e-5), (ea["step"], key)
     # the held-out KV ablation of an online row computes the held-out features: the store row's numbers
     ablations = {
-        source: kv_ablation(None, None, runs[source], peaky, SimpleNamespace(held=held)).set_index(
-            ["condition", "draft_step"]
-        )
+        source: kv_ablation(runs[source], peaky, held).set_index(["condition", "draft_step"])
         for source, (_, held) in (("store", stores), ("online", splits))
     }
     assert set(ablations["online"].index.get_level_values(0)) == {"real", "zeroed", "shuffled"}
@@ -180,7 +178,6 @@ def test_plateau_compares_the_last_fifth():
 
 def test_a_run_trained_to_a_plateau_is_judged_on_its_stable_phase():
     """The annealed final evaluation jumps by the decay; the plateau a row reports is the rule's, before it."""
-    from types import SimpleNamespace
 
     from kvshot_lib.training import stable_plateau
 
@@ -200,7 +197,6 @@ def test_a_run_trained_to_a_plateau_is_judged_on_its_stable_phase():
 def test_the_plateau_rule_waits_for_its_first_step():
     """An early lull (steps 30-40 move 0.004) fires the rule at once; with ``plateau_min_steps`` it waits, and fires
     at the first evaluation from there whose last quarter moved under the tolerance: step 100 (0.580 -> 0.585)."""
-    from types import SimpleNamespace
 
     from kvshot_lib.training import plateau_step, stable_plateau
 

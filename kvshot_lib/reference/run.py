@@ -191,14 +191,14 @@ def finished_already(out_dir: Path, cfg) -> bool:
     )
 
 
-def kv_ablation(plan: Plan, row: Row, result, target, data: RowData) -> pd.DataFrame:
-    """The row's held-out accuracy with the target KV real, zeroed and shuffled (empty for a non-KV reader); an
-    online row's target computes the held-out features, as in its training."""
+def kv_ablation(result, target, held) -> pd.DataFrame:
+    """The row's held-out accuracy with the target KV real, zeroed and shuffled (empty for a non-KV reader), on
+    ``held``: a feature store, or for an online row a tokenized split whose features the target computes."""
     from ..training import kv_ablation_table
 
     c = result.config
     return kv_ablation_table(
-        [result], data.held, target, c.eval_steps, c.eval_sequences, c.batch_size, c.max_tokens,
+        [result], held, target, c.eval_steps, c.eval_sequences, c.batch_size, c.max_tokens,
         c.eval_branch_fraction,
     )  # fmt: skip
 
@@ -238,7 +238,7 @@ def train_rows(plan: Plan, target, names: list[str], root: Path, progress: bool,
                 shutil.rmtree(carried, ignore_errors=True)
             summary.update(commit_checkpoint(result.drafter, Path(root) / rel, **limits))
             summary["checkpoint"] = str(rel) if summary["checkpoint"] else ""
-        ablation = kv_ablation(plan, row, result, target, data[key])
+        ablation = kv_ablation(result, target, data[key].held)
         update(trained_tables([result], [summary], ablation), "train", names[: i + 1], i == len(names) - 1)
         del result
 
