@@ -580,7 +580,11 @@ def test_a_carried_row_needs_its_starting_checkpoint_only_until_it_carries(tmp_p
     own.mkdir(parents=True)
     with pytest.raises(PlanError):  # an empty folder holds no weights
         init_path(plan, row, tmp_path)
-    (own / "config.json").write_text("{}")
+    (own / "state").mkdir()
+    (own / "state" / "trainer.json").write_text(json.dumps({"step": 14300}))  # a saved state, resumed from
+    assert init_path(plan, row, tmp_path) == committed
+    shutil.rmtree(own / "state")
+    (own / "config.json").write_text("{}")  # the finished checkpoint, read back
     assert init_path(plan, row, tmp_path) == committed
     trained = (
         tmp_path / "runs" / "onpolicy" / "drafters" / "hybrid31-ttt-s3"

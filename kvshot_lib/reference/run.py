@@ -37,6 +37,7 @@ import torch
 from ..corpus import regenerate_sharegpt
 from ..target import load_target
 from ..target.assets import REPO_ROOT
+from ..training import read_train_state
 from ..training.carry import carried_step
 from .checkpoints import carried_folder, carry_saver, commit_checkpoint, stretch_table
 from .data import (
@@ -120,7 +121,7 @@ def init_path(plan: Plan, row: Row, root: Path = REPO_ROOT) -> str | None:
         return str(checkpoint_path(plan, row.init_row, root))
     except PlanError as e:
         own = drafter_dir(plan, root) / row.name
-        held = (own / "config.json").is_file() or (own / "state" / "trainer.json").is_file()
+        held = (own / "config.json").is_file() or read_train_state(own) is not None
         if row.carry and (held or carried_step(carried_path(plan, row.name, root))):
             return str(Path(root) / committed_path(plan, row.init_row))
         raise PlanError(f"row {row.name!r} starts from row {row.init_row!r}: {e}") from None
