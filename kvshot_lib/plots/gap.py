@@ -91,6 +91,7 @@ def _short(label: str) -> str:
 
 
 UNSEEN = {"later training conversations": ("o", "-"), "held-out split": ("s", ":")}  # marker, line style
+PAIR_LOOKS = (("0.2", "D"), ("0.55", "^"), ("0.2", "v"))  # color, marker of each paired series
 
 
 def plot_memorization_gap(gap: pd.DataFrame, paired: pd.DataFrame | None = None):
@@ -116,9 +117,10 @@ def plot_memorization_gap(gap: pd.DataFrame, paired: pd.DataFrame | None = None)
     if paired is not None:
         ax = axes[2]
         pairs = list(paired[paired["measure"] == "acc"].groupby(["drafter", "minus"], sort=False))
-        for j, ((x, y), one) in enumerate(pairs[:MAX_SERIES]):
-            _gap_line(ax, one, "did", j, color="0.2", marker="D", ls="-")
-            axes[0].plot([], [], color="0.2", marker="D", label=f"paired (right): {x} - {y}")
+        for j, ((x, y), one) in enumerate(pairs[: len(PAIR_LOOKS)]):
+            color, marker = PAIR_LOOKS[j]
+            _gap_line(ax, one, "did", j, color=color, marker=marker, ls="-")
+            axes[0].plot([], [], color=color, marker=marker, label=f"paired (right): {x} - {y}")
         ax.set_ylabel("x - y: seen minus held-out")
         ax.set_title("paired: accuracy, x - y")
     for ax in axes:

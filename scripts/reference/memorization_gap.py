@@ -1,20 +1,25 @@
 """The data question's direct test: has a drafter memorized the answers it trained on?
 (:mod:`kvshot_lib.diagnostics.memorization`).
 
-For stage 2's and stage 3's headline drafters, from their checkpoints, on the default target in float32:
+For stage 2's and stage 3's headline drafters, and stage 4's two hidden drafters (the same 24M token-passes on
+stage 2's and stage 3's data), from their checkpoints, on the default target in float32:
 teacher-forced acc_0..acc_6 and cross-entropy on ``--conversations`` of the drafter's own training conversations
 (seen), against the same number it never saw from the same seeded training split (the conversations stage 3 added
 after stage 2's slice: only a stage-2 row has them) and against the held-out split. Each set is prepared the way
 the row trained (its conversations with looping answers dropped, or each loop cut after its first repetition).
 A data-limited drafter fits what it has seen better than what it has not: the gap grows with its passes over the
 data (stage 2: 5.5 passes over 1.32M tokens; stage 3: 1.2 passes over 6.32M).
-Then stage 2's drafter against stage 3's (:data:`PAIR`) on the same conversations, paired: stage 2's seen ones
-(stage 3's drafter trained on them about once) and the held-out ones neither saw. Writes
+Then each stage-2-data drafter against its stage-3-data peer of the same budget (:data:`PAIRS`) on the same
+conversations, paired: the first's seen ones (the second trained on them too, a few times fewer) and the held-out
+ones neither saw. Writes
 ``figures/onpolicy/data/memorization_gap.csv`` and ``memorization_paired.csv``, and draws
 ``figures/onpolicy/04_memorization_gap``.
 
     # stage 2's and stage 3's checkpoints come back from git history first (the onpolicy profile's comment says how)
     .venv/bin/python scripts/reference/memorization_gap.py   # ~20 minutes on 2 CPU cores, 14 once features exist
+    # stage 4's pair only (the other rows' tables are kept)
+    .venv/bin/python scripts/reference/memorization_gap.py --drafter hidden31-ttt-noloop-s4=checkpoints/onpolicy/hidden31-ttt-noloop-s4 \
+        --drafter hidden31-ttt-s4=checkpoints/onpolicy/hidden31-ttt-s4
 """
 
 from __future__ import annotations
@@ -40,8 +45,13 @@ DRAFTERS = {
     "hidden31-ttt-noloop-s2": "runs/onpolicy/drafters/hidden31-ttt-noloop-s2",
     "hidden31-ttt-s3": "runs/onpolicy/drafters/hidden31-ttt-s3",  # from git history (onpolicy profile)
     "hybrid31-ttt-s3": "runs/onpolicy/drafters/hybrid31-ttt-s3",  # from git history (onpolicy profile)
+    "hidden31-ttt-noloop-s4": "checkpoints/onpolicy/hidden31-ttt-noloop-s4",
+    "hidden31-ttt-s4": "checkpoints/onpolicy/hidden31-ttt-s4",
 }
-PAIR = ("hidden31-ttt-noloop-s2", "hidden31-ttt-s3")  # many passes over little data, few over much
+PAIRS = (  # many passes over little data, few over much, at the same budget
+    ("hidden31-ttt-noloop-s2", "hidden31-ttt-s3"),  # ~7.5M token-passes
+    ("hidden31-ttt-noloop-s4", "hidden31-ttt-s4"),  # 24M
+)
 WIDEST = "hidden31-ttt-s3"  # the row whose slice holds every other row's (the unseen pool of a smaller slice)
 STEPS, BATCH = 7, 2
 CAPTION = (
@@ -126,8 +136,9 @@ def main() -> None:
     out = assets.REPO_ROOT / "figures" / "onpolicy" / "data"
     path = out / "memorization_gap.csv"
     merged_table(path, pd.concat(tables, ignore_index=True), ["drafter"]).to_csv(path, index=False)
-    x, y = PAIR
-    if x in drafters and y in drafters:  # y on x's seen conversations and x's held-out ones, paired with x
+    for x, y in PAIRS:  # y on x's seen conversations and x's held-out ones, paired with x
+        if x not in drafters or y not in drafters:
+            continue
         on = {
             which: evaluate(parts[x, which], target, drafters[y], rows[y])
             for which in ("seen", "held-out split")
