@@ -99,7 +99,9 @@ def plot_memorization_gap(gap: pd.DataFrame, paired: pd.DataFrame | None = None)
     drafter and unseen set (later training conversations solid, the held-out split dotted); a memorizing drafter
     sits above zero in accuracy and below it in cross-entropy. With ``paired`` (``memorization_paired.csv``), a
     third panel: how much more one drafter gains on its seen conversations than another, paired by conversation."""
-    drafters = pick_drafters(gap[["drafter"]].drop_duplicates(), MAX_SERIES // len(UNSEEN))
+    series = gap[["drafter", "unseen_set"]].drop_duplicates()  # one line each
+    limit = series["drafter"].nunique() if len(series) <= MAX_SERIES else MAX_SERIES // len(UNSEEN)
+    drafters = pick_drafters(gap[["drafter"]].drop_duplicates(), limit)
     looks = _looks(drafters)
     panels = [("acc", "accuracy, seen - unseen"), ("ce", "cross-entropy, seen - unseen")]
     fig, axes = plt.subplots(

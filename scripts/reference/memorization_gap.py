@@ -74,6 +74,15 @@ def sample(split, n: int, seed: int):
     return split.subset(sorted(rng.choice(len(split), min(n, len(split)), replace=False)))
 
 
+def passes_over_data(info, row) -> dict:
+    """A row's unique training tokens, its token-passes in all (a row continued from another's weights counts
+    the passes before it, ``tokens_before``) and its passes over its data, from its ``reference_rows.csv`` entry
+    ``info``; NaN where it has none."""
+    unique, trained = info.get("unique_tokens", np.nan), info.get("train_tokens", np.nan)
+    total = trained + row.train_config().tokens_before
+    return dict(unique_tokens=unique, token_passes=total, passes=round(total / unique, 2))
+
+
 def evaluate(part, target, drafter, row) -> pd.DataFrame:
     """Per-conversation outcomes (:func:`per_sequence`) of ``drafter`` on the conversations ``part``, cropped at
     ``row``'s ``max_tokens`` as in training."""
@@ -127,9 +136,7 @@ def main() -> None:
                     drafter=name,
                     unseen_set=unseen_set,
                     loops=row.loops,
-                    unique_tokens=info.get("unique_tokens"),
-                    token_passes=info.get("train_tokens"),
-                    passes=info.get("epochs"),
+                    **passes_over_data(info, row),
                 )
             )
             print(f"{name} vs {unseen_set}:\n{tables[-1][tables[-1]['k'] == 0].to_string(index=False)}")
