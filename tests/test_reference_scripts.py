@@ -276,3 +276,20 @@ def test_a_row_finished_here_keeps_its_name_and_its_earlier_stretches_machines(t
     assert progress["from_step"].tolist() == [0, 3] and progress["to_step"].tolist() == [3, 6]
     assert progress["seconds_per_step"].tolist() == [pytest.approx(1.0), pytest.approx(2.0)]
     assert set(pd.read_csv(out)["cpu"]) == {"CPU C"}  # the one point, step 6, ran on the last stretch
+
+
+def test_memorization_gap_counts_the_passes_a_continued_row_made_before_it_started():
+    sys.path.insert(0, str(SCRIPTS))
+    import memorization_gap
+
+    from kvshot_lib.reference import load_plan
+
+    plan = load_plan("onpolicy")
+    # a row continued from stage 2's weights, 7,287,378 token-passes before it (the profile's tokens_before), and
+    # its own 16,711,553 over 1,323,029 unique tokens: 23,998,931 in all, 18.14 passes (by hand: 23998931 / 1323029)
+    info = {"unique_tokens": 1_323_029, "train_tokens": 16_711_553}
+    got = memorization_gap.passes_over_data(info, plan.row("hidden31-ttt-noloop-s4"))
+    assert got["token_passes"] == 23_998_931 and got["passes"] == 18.14
+    # the stage-2 row trained from scratch: its own token-passes only
+    fresh = memorization_gap.passes_over_data(info, plan.row("hidden31-ttt-noloop-s2"))
+    assert fresh["token_passes"] == 16_711_553 and fresh["passes"] == 12.63
